@@ -1,0 +1,1 @@
+"""fsdp_impl: a fully sharded data parallel engine for PyTorch."""
