@@ -1,0 +1,65 @@
+"""A plain GPT for benchmarks: pre-norm blocks, causal SDPA attention, tied embeddings.
+
+Kept separate from the test models: the benchmark needs realistic sizes (1.3B) while tests need tiny ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 32000
+    hidden: int = 2048
+    layers: int = 24
+    heads: int = 16
+    seq: int = 2048
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block; the FSDP unit of the benchmark."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.fc1 = nn.Linear(cfg.hidden, 4 * cfg.hidden)
+        self.fc2 = nn.Linear(4 * cfg.hidden, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        att = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos = nn.Embedding(cfg.seq, cfg.hidden)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embed(tokens) + self.pos(pos)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
