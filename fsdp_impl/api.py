@@ -1,0 +1,196 @@
+"""Public entry points: ``fully_shard``, ``fully_shard_model``, ``fully_shard_optimizer``.
+
+All argument checks run before any buffer is allocated or collective issued, so bad input fails
+early and identically on every rank with a message naming the argument and the allowed values.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .buffers import ParamAndGradBuffer
+from .device import pick_device
+from .discovery import UnitSpec, assign_params, find_unit_modules, resolve_unit_classes
+from .engine import FSDPEngine
+from .hooks import register_hooks
+from .mesh import DistIndex, build_mesh, submesh
+from .meta_init import materialise, sync_rng_from_rank0
+from .module import FullyShardedModule
+from .optimizer import attach_engines, remap_optimizer_params
+from .policy import MixedPrecisionPolicy, ShardingStrategy, parse_strategy
+from .unit import FSDPUnit, UnitContext
+
+try:  # written by the decoupled-grad helper (issue: decoupled grads)
+    from .decoupled import check_decoupled_grad_consistency
+except ImportError:  # pragma: no cover - TODO: drop once fsdp_impl/decoupled.py is always present
+    check_decoupled_grad_consistency = None
+
+Strategy = Union[str, int]
+
+
+def _not_implemented(what: str, issue: str) -> NotImplementedError:
+    return NotImplementedError(f"{what} is not implemented yet ({issue})")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: Optional[str], tp_dim: Optional[str],
+              hybrid_fsdp_group: Any, strategy: ShardingStrategy, outer: ShardingStrategy,
+              meta_init: bool, policy: Any, flags: Dict[str, Any]) -> None:
+    """Checks that need the mesh; raise before anything is allocated."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise TypeError(f"mixed_precision_policy must be a fsdp_impl.MixedPrecisionPolicy, got {policy!r}")
+    for name, value in flags.items():
+        _check_bool(name, value)
+    if dp_outer_dim is not None:
+        submesh(mesh, dp_outer_dim, "dp_outer_dim")
+    if tp_dim is not None and submesh(mesh, tp_dim, "tp_dim").size() > 1:
+        raise _not_implemented(f"tensor parallelism (tp_dim={tp_dim!r} of size "
+                               f"{mesh[tp_dim].size()} > 1)", "issue 4: HSDP/TP")
+    if outer == ShardingStrategy.OPTIM and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(f"outer_dp_sharding_strategy='optim'/1 requires zero_dp_strategy="
+                         f"'optim_grads_params'/3, got zero_dp_strategy={strategy.name.lower()!r}/{int(strategy)}")
+    if dp_outer_dim is not None or hybrid_fsdp_group is not None or outer != ShardingStrategy.NO_SHARD:
+        raise _not_implemented("HSDP (dp_outer_dim / hybrid_fsdp_group / outer_dp_sharding_strategy)",
+                               "issue 4: HSDP/TP")
+    if flags["cuda_graph_mode"]:
+        raise _not_implemented("cuda_graph_mode=True", "CUDA-graph issue")
+    if flags["keep_fp8_transpose_cache"]:
+        raise _not_implemented("keep_fp8_transpose_cache=True (FP8 parameters)", "FP8 issue")
+    if meta_init and strategy == ShardingStrategy.NO_SHARD:
+        raise ValueError("init_model_with_meta_device=True is not supported with zero_dp_strategy="
+                         "'no_shard'/0 (every rank would hold the whole model anyway); allowed "
+                         "strategies: 'optim'/1, 'optim_grads'/2, 'optim_grads_params'/3")
+
+
+def _shard_units(module: nn.Module, units: List[FSDPUnit], unit_modules: List[nn.Module],
+                 groups: list, ctx: UnitContext, meta_init: bool) -> None:
+    """Fill every unit's weight buffer (materialising meta tensors unit by unit if asked)."""
+    has_meta = any(p.orig.is_meta for g in groups for p in g) or any(b.is_meta for b in module.buffers())
+    if has_meta and not meta_init:
+        raise ValueError("module has tensors on the meta device; pass init_model_with_meta_device=True "
+                         "to materialise them, or build the module on a real device")
+    if meta_init:
+        sync_rng_from_rank0(ctx.device, ctx.group)
+        materialise(module, groups, unit_modules, ctx.device, lambda i: units[i].shard_from_module())
+        return
+    for sub in module.modules():
+        for name, buf in list(sub._buffers.items()):
+            if buf is not None and buf.device != ctx.device:
+                sub._buffers[name] = buf.to(ctx.device)
+    for unit in units:
+        unit.shard_from_module()
+
+
+def fully_shard_model(
+    module: nn.Module,
+    device_mesh: Optional[DeviceMesh] = None,
+    dp_shard_dim: Optional[str] = None,
+    dp_outer_dim: Optional[str] = None,
+    tp_dim: Optional[str] = None,
+    hybrid_fsdp_group: Optional[dist.ProcessGroup] = None,
+    fsdp_unit_modules: UnitSpec = None,
+    zero_dp_strategy: Strategy = 3,
+    outer_dp_sharding_strategy: Strategy = 0,
+    init_model_with_meta_device: bool = False,
+    mixed_precision_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    sync_model_each_microbatch: bool = True,
+    report_nan_in_param_grad: bool = False,
+    use_decoupled_grad: bool = False,
+    cuda_graph_mode: bool = False,
+    keep_fp8_transpose_cache: bool = False,
+) -> FullyShardedModule:
+    """Shard ``module``'s params over the dp-shard mesh dim and return the wrapper module."""
+    strategy = parse_strategy(zero_dp_strategy)
+    outer = parse_strategy(outer_dp_sharding_strategy, "outer_dp_sharding_strategy",
+                           (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM))
+    flags = dict(init_model_with_meta_device=init_model_with_meta_device,
+                 sync_model_each_microbatch=sync_model_each_microbatch,
+                 report_nan_in_param_grad=report_nan_in_param_grad, use_decoupled_grad=use_decoupled_grad,
+                 cuda_graph_mode=cuda_graph_mode, keep_fp8_transpose_cache=keep_fp8_transpose_cache)
+    classes = resolve_unit_classes(fsdp_unit_modules)
+    mesh, shard_mesh = build_mesh(device_mesh, dp_shard_dim)
+    _validate(module, mesh, dp_outer_dim, tp_dim, hybrid_fsdp_group, strategy, outer,
+              init_model_with_meta_device, mixed_precision_policy, flags)
+    if isinstance(module, FullyShardedModule):
+        raise ValueError("module is already wrapped by fully_shard")
+    found = find_unit_modules(module, classes)
+    groups = assign_params(module, [name for name, _ in found])
+    ctx = UnitContext(strategy, shard_mesh, shard_mesh.get_group(), shard_mesh.get_local_rank(),
+                      shard_mesh.size(), pick_device(mesh), mixed_precision_policy)
+    names = [name for name, _ in found] + [""]
+    all_units = [FSDPUnit(name or "<root>", group, ctx) for name, group in zip(names, groups)]
+    unit_modules = [m for _, m in found]
+    _shard_units(module, all_units, unit_modules, groups, ctx, init_model_with_meta_device)
+    keep = [i for i, u in enumerate(all_units[:-1]) if u.params]  # units whose params all went to root
+    units = [all_units[i] for i in keep] + [all_units[-1]]
+    engine = FSDPEngine(units, all_units[-1], ctx, sync_model_each_microbatch, use_decoupled_grad,
+                        report_nan_in_param_grad)
+    handles = register_hooks(engine, [unit_modules[i] for i in keep] + [module])
+    buffer = ParamAndGradBuffer([u.group for u in units], use_decoupled_grad)
+    wrapper = FullyShardedModule(module, engine, buffer, DistIndex(mesh, shard_mesh), handles)
+    for unit in units:
+        for p in unit.params:
+            p.sharded._fsdp_engine_ref = weakref.ref(engine)
+    return wrapper
+
+
+def _param_mapping(model: FullyShardedModule) -> Dict[int, nn.Parameter]:
+    """id(original param) -> DTensor shard, plus the shards themselves (already-remapped optimizers)."""
+    mapping: Dict[int, nn.Parameter] = {}
+    for unit in model._fsdp_engine.units:
+        for p in unit.params:
+            mapping[id(p.orig)] = p.sharded
+            mapping[id(p.sharded)] = p.sharded
+    return mapping
+
+
+def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any
+                ) -> Tuple[FullyShardedModule, torch.optim.Optimizer]:
+    """``fully_shard_model`` + point ``optimizer``'s param groups at the shards (``**kwargs`` are
+    ``fully_shard_model``'s arguments)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(module, nn.Module):
+        known = {id(p) for p in module.parameters()}
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in known:
+                    raise ValueError(f"optimizer param group {gi} holds a parameter of shape "
+                                     f"{tuple(p.shape)} that is not a parameter of module; the "
+                                     "optimizer's params must be the model's")
+    model = fully_shard_model(module, **kwargs)
+    remap_optimizer_params(optimizer, _param_mapping(model))
+    return model, fully_shard_optimizer(optimizer)
+
+
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make ``optimizer`` (built on a wrapped model's ``parameters()``) reset the FSDP grad
+    buffers in ``zero_grad``; returns the same object."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    engines: List[FSDPEngine] = []
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            ref = getattr(p, "_fsdp_engine_ref", None)
+            engine = ref() if ref is not None else None
+            if engine is None:
+                raise ValueError(f"optimizer param group {gi} holds a parameter of shape {tuple(p.shape)} "
+                                 "that is not a parameter of a fully_shard-ed model; build the "
+                                 "optimizer on model.parameters() of the wrapped model")
+            if all(engine is not e for e in engines):
+                engines.append(engine)
+    if check_decoupled_grad_consistency is not None:
+        for engine in engines:
+            check_decoupled_grad_consistency(engine.use_decoupled_grad, optimizer)
+    return attach_engines(optimizer, engines)

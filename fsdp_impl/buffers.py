@@ -1,0 +1,72 @@
+"""Contiguous per-unit buffers and the DTensor views the optimizer sees.
+
+One ``DataParallelBuffer`` is a flat tensor holding this rank's segment of a ``FlatLayout``;
+every parameter's local shard (or grad shard) is a view into it, so a whole unit moves in one
+collective and later features (CUDA graphs, checkpoint, FP8) can address it as one tensor.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .sharding import FlatLayout
+
+
+class DataParallelBuffer:
+    """A flat local segment (``.data``) laid out by ``layout`` for shard ``rank``."""
+
+    def __init__(self, layout: FlatLayout, rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.data = torch.zeros(layout.segment_numel, dtype=dtype, device=device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def local_view(self, index: int) -> torch.Tensor:
+        """This rank's shard of parameter ``index`` as a view into ``data``."""
+        return self.layout.local_view(self.data, index, self.rank)
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def as_dtensor(local: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], sharded: bool) -> DTensor:
+    """Wrap a local shard as a DTensor: ``Shard(0)`` (torch.chunk semantics) or ``Replicate()``."""
+    placements = [Shard(0)] if sharded else [Replicate()]
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=contiguous_stride(shape))
+
+
+class ParameterGroup:
+    """The buffers of one FSDP unit, named as in Megatron-FSDP.
+
+    ``model_weight_buffer`` always holds the sharded weights; ``main_weight_buffer`` is the same
+    object when a separate ``main_params_dtype`` was requested and ``None`` otherwise (then the
+    model's own dtype is the optimizer's dtype). ``main_grad_buffer`` is ``None`` for a unit
+    without trainable params.
+    """
+
+    def __init__(self, name: str, weight: DataParallelBuffer, grad: Optional[DataParallelBuffer],
+                 has_main_params: bool) -> None:
+        self.name = name
+        self.model_weight_buffer = weight
+        self.main_weight_buffer = weight if has_main_params else None
+        self.main_grad_buffer = grad
+
+
+class ParamAndGradBuffer:
+    """``model.param_and_grad_buffer``: all units' buffers plus the decoupled-grad switch."""
+
+    def __init__(self, parameter_groups: List[ParameterGroup], use_decoupled_grad: bool) -> None:
+        self.parameter_groups = parameter_groups
+        self.use_decoupled_grad = use_decoupled_grad

@@ -1,0 +1,187 @@
+"""``save`` / ``load``: exact-resume checkpoints of a sharded model and its optimizer via DCP."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import _comm, _files
+from ._errors import CheckpointCorruptedError, CheckpointError, CheckpointWriteError
+from ._state import (
+    MODEL_KEY,
+    OPTIM_KEY,
+    OptimizerSnapshot,
+    check_optimizer_matches,
+    empty_optimizer_state,
+    install_optimizer_state,
+    model_state,
+    snapshot_optimizer,
+    unwrap_optimizer,
+)
+from ._validate import check_model_matches
+
+__all__ = ["save", "load"]
+
+
+def save(path: str | os.PathLike, model: nn.Module, optimizer: Any, extra: dict | None = None) -> None:
+    """Write model + optimizer state (and ``extra``) to the directory ``path``; collective.
+
+    All ranks must call it with the same ``path`` on a filesystem they share.  Data goes into
+    ``<path>.tmp-<unique>`` first and rank 0 renames it to ``path`` only once every file is
+    written and hashed, so an interrupted save leaves any previous checkpoint intact.
+    ``extra`` (epoch, RNG states, LR-scheduler and data-loader state ...) is pickled by rank 0,
+    so it must be the same on all ranks or only meaningful on rank 0.
+    """
+    path = _files.as_path(path)
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict or None; got {type(extra).__name__}")
+    torch_optimizer = unwrap_optimizer(optimizer)
+    model_sd, _ = model_state(model)
+    snapshot = snapshot_optimizer(model, torch_optimizer)
+
+    tmp, error = None, None
+    if _comm.rank() == 0:
+        try:
+            tmp = _files.new_temp_dir(path)
+        except (OSError, CheckpointError) as e:
+            error = e
+    _comm.raise_if_any_failed(error, f"preparing checkpoint directory {path}", CheckpointWriteError)
+    tmp = Path(_comm.broadcast_from_rank0(str(tmp)))
+    try:
+        _write(tmp, path, {MODEL_KEY: model_sd, OPTIM_KEY: snapshot.state}, snapshot, extra)
+    except BaseException:
+        if _comm.rank() == 0:
+            _files.discard(tmp)
+        raise
+
+
+def _write(tmp: Path, path: Path, state: dict, snapshot: OptimizerSnapshot, extra: dict | None) -> None:
+    """Fill ``tmp`` (DCP data, extra.pt, manifest) and publish it as ``path``."""
+    try:
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not _comm.is_distributed())
+    except CheckpointException as e:  # DCP raises it on every rank
+        raise CheckpointWriteError(f"writing checkpoint data to {tmp} failed: {e}") from e
+
+    error, names = None, None
+    if _comm.rank() == 0:
+        try:
+            buffer = io.BytesIO()
+            torch.save({"param_groups": snapshot.hyperparameters, "extra": extra}, buffer)
+            _files.write_file_durably(tmp / _files.EXTRA_NAME, buffer.getvalue())
+            names = _files.data_files(tmp)
+        except Exception as e:  # unpicklable extra, disk full ...
+            error = e
+    _comm.raise_if_any_failed(error, f"writing {_files.EXTRA_NAME}", CheckpointWriteError)
+    names = _comm.broadcast_from_rank0(names)  # rank 0's listing: no stale directory caches
+
+    digests, error = {}, None
+    try:
+        for name in _files.my_share(names, _comm.rank(), _comm.world_size()):
+            digests[name] = _files.file_digest(tmp / name)
+    except OSError as e:
+        error = e
+    _comm.raise_if_any_failed(error, "hashing checkpoint files", CheckpointWriteError)
+    files: dict[str, Any] = {}
+    for part in _comm.all_gather(digests):
+        files.update(part)
+
+    error = None
+    if _comm.rank() == 0:
+        try:
+            _files.write_manifest(tmp, snapshot.description, files, _comm.world_size(), torch.__version__)
+            _files.publish(tmp, path)
+        except (OSError, CheckpointError) as e:
+            error = e
+    _comm.raise_if_any_failed(error, f"publishing checkpoint {path}", CheckpointWriteError)
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: Any) -> dict | None:
+    """Load a checkpoint written by :func:`save` into ``model`` and ``optimizer``; collective.
+
+    Works on a freshly wrapped model and a never-stepped optimizer, in any world size or
+    sharding strategy: tensors are loaded in place into the current parameters (so the next
+    forward uses them) and the optimizer state is rebuilt from the checkpoint without a
+    ``step()``.  Returns the ``extra`` dict given to :func:`save`.
+    """
+    path = _files.as_path(path)
+    torch_optimizer = unwrap_optimizer(optimizer)
+    manifest, metadata, side = _open(path)
+
+    model_sd, original_keys = model_state(model)
+    check_model_matches(model_sd, metadata, path)
+    check_optimizer_matches(manifest["optimizer"], model, torch_optimizer)
+
+    def entry(name: str, key: str) -> Any:
+        full = f"{OPTIM_KEY}.{name}.{key}"
+        if full not in metadata.state_dict_metadata:
+            raise CheckpointCorruptedError(f"checkpoint {path}: {_files.MANIFEST_NAME} lists '{full}' "
+                                           "but the DCP metadata does not")
+        return metadata.state_dict_metadata[full]
+
+    optim_state = empty_optimizer_state(manifest["optimizer"], model, entry)
+    state = {MODEL_KEY: model_sd, OPTIM_KEY: optim_state}
+    try:
+        dcp.load(state, storage_reader=FileSystemReader(path), no_dist=not _comm.is_distributed())
+    except CheckpointException as e:
+        raise CheckpointCorruptedError(f"reading checkpoint {path} failed: {e}") from e
+    _ensure_model_updated(model, state[MODEL_KEY], original_keys)
+    install_optimizer_state(model, torch_optimizer, state[OPTIM_KEY], side["param_groups"])
+    return side["extra"]
+
+
+def _open(path: Path) -> tuple[dict, Any, dict]:
+    """Manifest, verified files, DCP metadata and extra.pt, with one agreed error on all ranks."""
+    manifest, error = None, None
+    try:
+        manifest = _files.read_manifest(path)
+    except CheckpointError as e:
+        error = e
+    _comm.raise_if_any_failed(error, f"opening checkpoint {path}", CheckpointCorruptedError)
+
+    expected = manifest["files"]
+    mine = _files.my_share(sorted(expected), _comm.rank(), _comm.world_size())
+    problems = [p for part in _comm.all_gather(_files.verify_files(path, expected, mine)) for p in part]
+    if problems:
+        raise CheckpointCorruptedError(
+            f"checkpoint {path} is damaged ({len(problems)} file problem(s)):\n  " + "\n  ".join(problems)
+        )
+    metadata_file = path / _files.DCP_METADATA_NAME
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise CheckpointCorruptedError(f"checkpoint file {metadata_file} is unreadable: {e}") from e
+    extra_file = path / _files.EXTRA_NAME
+    try:
+        side = torch.load(extra_file, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointCorruptedError(f"checkpoint file {extra_file} is unreadable: {e}") from e
+    return manifest, metadata, side
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _ensure_model_updated(model: nn.Module, loaded: dict[str, Any], original_keys: dict[str, str]) -> None:
+    """Copy through ``load_state_dict`` only if ``state_dict()`` handed out copies.
+
+    DCP loads in place; when ``state_dict()`` returns views of the live parameters (the
+    DTensor-parameter contract), the parameters already hold the loaded values and their
+    version counters changed, which makes the engine refresh its compute weights.
+    """
+    live, _ = model_state(model)
+    stale = [
+        name for name, value in loaded.items()
+        if isinstance(value, torch.Tensor)
+        and _local(value).data_ptr() != _local(live[name]).data_ptr()
+    ]
+    if stale:
+        model.load_state_dict({original_keys[n]: v for n, v in loaded.items()}, strict=True)

@@ -1,0 +1,199 @@
+"""Global gradient-norm clipping for FSDP models, on ``grad`` or ``decoupled_grad``.
+
+Each rank holds only shards of DTensor gradients, so the norm is assembled from local partial
+sums: ``sum |g|^p`` (or ``max |g|`` for the inf norm) over local shards, all-reduced over the
+mesh dims where the gradient is sharded (replicated dims hold copies, so they are counted once).
+Collectives are issued group by group in the order the parameters are given, which is the same
+on every rank. Params without a gradient are skipped (grad presence is the same on every rank of
+a DTensor) and None is never handed to a kernel: that is the Megatron-FSDP segfault this module
+exists to avoid.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.placement_types import Partial, Shard
+
+from fsdp_impl.decoupled import DTensor, grad_attr_name, local_tensor, read_grad
+
+__all__ = ["clip_grad_norm"]
+
+# torch.nn.utils.clip_grad_norm_ uses the same epsilon; keeping it makes results comparable.
+_CLIP_EPS = 1e-6
+
+
+@dataclass
+class _ReduceGroup:
+    """Local gradients whose partial norms are reduced over the same process groups."""
+
+    mesh: Any
+    shard_dims: tuple[int, ...]
+    locals: list[torch.Tensor] = field(default_factory=list)
+
+
+def _resolve(
+    model_or_params: Any, use_decoupled_grad: bool | None
+) -> tuple[list[torch.Tensor], bool]:
+    """The params to clip and which gradient attribute to read."""
+    if isinstance(model_or_params, torch.nn.Module):
+        buffer = getattr(model_or_params, "param_and_grad_buffer", None)
+        model_flag = getattr(buffer, "use_decoupled_grad", None) if buffer is not None else None
+        if use_decoupled_grad is not None and isinstance(model_flag, bool):
+            if use_decoupled_grad != model_flag:
+                raise ValueError(
+                    "Inconsistent decoupled gradients setting: clip_grad_norm was called with "
+                    f"use_decoupled_grad={use_decoupled_grad} but the model's "
+                    f"param_and_grad_buffer.use_decoupled_grad is {model_flag}; drop the "
+                    "argument to follow the model, or wrap the model with the same setting"
+                )
+        flag = use_decoupled_grad if use_decoupled_grad is not None else bool(model_flag)
+        return list(model_or_params.parameters()), flag
+    if isinstance(model_or_params, torch.Tensor):
+        params = [model_or_params]
+    elif isinstance(model_or_params, Iterable):
+        params = list(model_or_params)
+    else:
+        raise TypeError(
+            "model_or_params must be an nn.Module, a Tensor or an iterable of Tensors, got "
+            f"{type(model_or_params).__name__}"
+        )
+    return params, bool(use_decoupled_grad)
+
+
+def _check_args(max_norm: float, norm_type: float, use_decoupled_grad: bool | None) -> float:
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise ValueError(f"max_norm must be a non-negative real number, got {max_norm!r}")
+    if math.isnan(max_norm) or max_norm < 0:
+        raise ValueError(f"max_norm must be a non-negative real number, got {max_norm!r}")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+        raise ValueError(f"norm_type must be a positive real number or math.inf, got {norm_type!r}")
+    norm = float(norm_type)
+    if math.isnan(norm) or norm <= 0:
+        raise ValueError(f"norm_type must be a positive real number or math.inf, got {norm_type!r}")
+    if use_decoupled_grad is not None and not isinstance(use_decoupled_grad, bool):
+        raise ValueError(f"use_decoupled_grad must be None, True or False, got {use_decoupled_grad!r}")
+    return norm
+
+
+def _group_grads(params: list[torch.Tensor], use_decoupled: bool) -> list[_ReduceGroup]:
+    """Gradients grouped by the process groups their norms are reduced over, in param order.
+
+    A list with a linear lookup (not a dict/set) keeps the order the params were given, which
+    is what makes the collective sequence identical on every rank.
+    """
+    groups: list[_ReduceGroup] = []
+    for index, param in enumerate(params):
+        grad = read_grad(param, use_decoupled)
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            placements = tuple(grad.placements)
+            if any(isinstance(p, Partial) for p in placements):
+                raise ValueError(
+                    f"parameter {index}: param.{grad_attr_name(use_decoupled)} has a Partial "
+                    f"placement {placements}; reduce gradients before clipping"
+                )
+            mesh = grad.device_mesh
+            shard_dims = tuple(d for d, p in enumerate(placements) if isinstance(p, Shard))
+        else:
+            mesh, shard_dims = None, ()
+        for group in groups:
+            if group.mesh == mesh and group.shard_dims == shard_dims:
+                group.locals.append(local_tensor(grad))
+                break
+        else:
+            groups.append(_ReduceGroup(mesh, shard_dims, [local_tensor(grad)]))
+    return groups
+
+
+def _acc_dtype(groups: list[_ReduceGroup]) -> torch.dtype:
+    """fp64 if any gradient is fp64, else fp32 (low-precision grads are summed in fp32)."""
+    wide = any(t.dtype == torch.float64 for g in groups for t in g.locals)
+    return torch.float64 if wide else torch.float32
+
+
+def _local_partial(tensors: list[torch.Tensor], norm_type: float, dtype: torch.dtype) -> torch.Tensor:
+    """``sum |g|^p`` (or ``max |g|``) over local tensors; 0 for empty shards."""
+    device = tensors[0].device
+    partial = torch.zeros((), dtype=dtype, device=device)
+    for tensor in tensors:
+        if tensor.numel() == 0:
+            continue  # empty shard: contributes 0, and vector_norm(inf) rejects empty input
+        norm = torch.linalg.vector_norm(tensor, norm_type, dtype=dtype)
+        if math.isinf(norm_type):
+            partial = torch.maximum(partial, norm)
+        else:
+            partial = partial + norm**norm_type
+    return partial
+
+
+def _reduce(partial: torch.Tensor, group: _ReduceGroup, norm_type: float) -> torch.Tensor:
+    """All-reduce over each sharded mesh dim, in ascending dim order."""
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    for dim in group.shard_dims:
+        if group.mesh.size(dim) > 1:
+            dist.all_reduce(partial, op=op, group=group.mesh.get_group(dim))
+    return partial
+
+
+def _total_norm(groups: list[_ReduceGroup], norm_type: float) -> torch.Tensor:
+    dtype = _acc_dtype(groups)
+    total: torch.Tensor | None = None
+    for group in groups:
+        reduced = _reduce(_local_partial(group.locals, norm_type, dtype), group, norm_type)
+        if total is None:
+            total = reduced
+        else:
+            reduced = reduced.to(total.device)
+            total = torch.maximum(total, reduced) if math.isinf(norm_type) else total + reduced
+    assert total is not None
+    return total if math.isinf(norm_type) else total ** (1.0 / norm_type)
+
+
+def clip_grad_norm(
+    model_or_params: Any,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    *,
+    use_decoupled_grad: bool | None = None,
+) -> torch.Tensor:
+    """Clip gradients in place to a global norm of at most ``max_norm``; return the norm.
+
+    ``model_or_params``: an FSDP-wrapped model (its ``param_and_grad_buffer.use_decoupled_grad``
+    picks ``decoupled_grad`` vs ``grad``), any module, a tensor or an iterable of params (these
+    read ``.grad`` unless ``use_decoupled_grad=True``). The returned norm is computed over all
+    ranks for DTensor gradients. Scaling follows ``torch.nn.utils.clip_grad_norm_``: by
+    ``max_norm / (norm + 1e-6)`` clamped at 1. A non-finite norm raises ``RuntimeError`` when
+    ``error_if_nonfinite`` is set; otherwise it warns, leaves the gradients unscaled and returns
+    it. Checking finiteness costs one host sync.
+    """
+    norm = _check_args(max_norm, norm_type, use_decoupled_grad)
+    params, use_decoupled = _resolve(model_or_params, use_decoupled_grad)
+    groups = _group_grads(params, use_decoupled)
+    if not groups:
+        return torch.zeros(())
+    total = _total_norm(groups, norm)
+    if not bool(torch.isfinite(total)):
+        message = (
+            f"The total norm of order {norm_type} of the gradients (param."
+            f"{grad_attr_name(use_decoupled)}) is non-finite ({total.item()}), so it cannot be "
+            "clipped"
+        )
+        if error_if_nonfinite:
+            raise RuntimeError(message + "; set error_if_nonfinite=False to only warn")
+        warnings.warn(message + "; the gradients were left unscaled", RuntimeWarning, stacklevel=2)
+        return total
+    clip_coef = torch.clamp(max_norm / (total + _CLIP_EPS), max=1.0)
+    for group in groups:
+        for tensor in group.locals:
+            if tensor.numel():
+                tensor.mul_(clip_coef.to(device=tensor.device, dtype=tensor.dtype))
+    return total

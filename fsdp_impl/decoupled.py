@@ -1,0 +1,185 @@
+"""Where gradients live, and whether model, optimizer and clipping agree on it.
+
+With ``use_decoupled_grad=True`` the FSDP engine stores each synced gradient shard on
+``param.decoupled_grad`` (in the main-grads dtype, uncast) and leaves ``param.grad`` as None, so a
+precision-aware optimizer can read low-precision gradients without autograd casting them. Two
+real Megatron-FSDP failures came from the three parties disagreeing:
+
+* grad clipping read ``decoupled_grad`` while it was None and handed None to a fused kernel
+  (segfault);
+* the buffer wrote ``decoupled_grad`` while the optimizer read ``.grad`` (None), so every step
+  was a silent no-op and training did not converge.
+
+This module is the single place that answers "which attribute holds the gradient" and checks,
+at wrap time, that model and optimizer agree.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+try:  # public since torch 2.5; the private path keeps older builds importable
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - old torch only
+    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+
+__all__ = [
+    "DECOUPLED_GRAD_ATTR",
+    "check_decoupled_grad_consistency",
+    "clear_grad",
+    "grad_attr_name",
+    "local_tensor",
+    "optimizer_reads_decoupled_grad",
+    "read_grad",
+]
+
+DECOUPLED_GRAD_ATTR = "decoupled_grad"
+
+# Wrappers (e.g. the engine's sharded optimizer) expose the real optimizer as `.optimizer`;
+# bound the walk so a self-referencing wrapper cannot loop forever.
+_MAX_WRAP_DEPTH = 16
+
+
+def grad_attr_name(use_decoupled_grad: bool) -> str:
+    """Name of the attribute that holds a parameter's gradient under the given setting."""
+    return DECOUPLED_GRAD_ATTR if use_decoupled_grad else "grad"
+
+
+def read_grad(param: torch.Tensor, use_decoupled_grad: bool) -> torch.Tensor | None:
+    """The gradient of ``param`` as the given setting defines it (None when absent).
+
+    Only the attribute named by the setting is read: silently falling back to the other one
+    would hide exactly the model/optimizer mismatch that this module exists to expose.
+    """
+    if use_decoupled_grad:
+        return getattr(param, DECOUPLED_GRAD_ATTR, None)
+    return param.grad
+
+
+def clear_grad(param: torch.Tensor, use_decoupled_grad: bool, set_to_none: bool) -> None:
+    """Reset the decoupled gradient like ``Optimizer.zero_grad`` resets ``.grad``.
+
+    ``.grad`` itself is left to ``torch.optim.Optimizer.zero_grad``; only ``decoupled_grad``
+    needs handling here. With ``set_to_none=False`` the tensor is zeroed in place so that
+    buffer views (CUDA-graph mode) stay valid.
+    """
+    if not use_decoupled_grad:
+        return
+    grad = getattr(param, DECOUPLED_GRAD_ATTR, None)
+    if grad is None:
+        return
+    if set_to_none:
+        setattr(param, DECOUPLED_GRAD_ATTR, None)
+    else:
+        local_tensor(grad).zero_()
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local storage of a DTensor (a view, updatable in place), else the tensor itself.
+
+    ``_local_tensor`` is used instead of ``to_local()`` because it never goes through autograd
+    and is always the very tensor the DTensor wraps, including empty shards.
+    """
+    if isinstance(tensor, DTensor):
+        return tensor._local_tensor
+    return tensor
+
+
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    """Follow ``.optimizer`` attributes to the optimizer that actually reads the gradients."""
+    current = optimizer
+    for _ in range(_MAX_WRAP_DEPTH):
+        inner = getattr(current, "optimizer", None)
+        if inner is None or inner is current:
+            return current
+        current = inner
+    return current
+
+
+def _te_fused_adam_type() -> type | None:
+    """TransformerEngine's ``FusedAdam`` class, or None when TE is not importable.
+
+    An instance cannot exist unless TE was imported already, so TE is never imported here just
+    to answer the question (importing it initialises CUDA).
+    """
+    if "transformer_engine" not in sys.modules:
+        return None
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return FusedAdam
+
+
+def optimizer_reads_decoupled_grad(optimizer: Any) -> bool:
+    """Whether ``optimizer`` reads ``param.decoupled_grad`` (True) or ``param.grad`` (False).
+
+    * ``fsdp_impl.optim`` optimizers: their ``use_decoupled_grad`` flag;
+    * TransformerEngine ``FusedAdam``: its ``use_decoupled_grad`` attribute;
+    * ``torch.optim`` optimizers: False (they only know ``.grad``);
+    * anything else: its ``use_decoupled_grad`` attribute when that is a bool, else False.
+
+    Wrapped optimizers are looked through via their ``.optimizer`` attribute.
+    """
+    if optimizer is None:
+        raise TypeError("optimizer must be an optimizer object, got None")
+    from fsdp_impl.optim import Adam  # local import: fsdp_impl.optim imports this module
+
+    inner = _unwrap_optimizer(optimizer)
+    if isinstance(inner, Adam):
+        return inner.use_decoupled_grad
+    te_fused_adam = _te_fused_adam_type()
+    if te_fused_adam is not None and isinstance(inner, te_fused_adam):
+        return bool(getattr(inner, "use_decoupled_grad", False))
+    if type(inner).__module__.startswith("torch.optim"):
+        return False
+    flag = getattr(inner, "use_decoupled_grad", None)
+    return flag if isinstance(flag, bool) else False
+
+
+def check_decoupled_grad_consistency(model_uses_decoupled: bool, optimizer: Any) -> None:
+    """Raise ``ValueError`` at wrap time when model and optimizer disagree on decoupled grads.
+
+    A mismatch either makes every optimizer step a silent no-op (model writes
+    ``decoupled_grad``, optimizer reads ``.grad``) or steps on stale/absent values, so it must
+    fail loudly before training starts. ``optimizer=None`` (model-only wrap) has nothing to
+    check.
+    """
+    if not isinstance(model_uses_decoupled, bool):
+        raise TypeError(
+            "model_uses_decoupled must be a bool (True or False), "
+            f"got {type(model_uses_decoupled).__name__}: {model_uses_decoupled!r}"
+        )
+    if optimizer is None:
+        return
+    optimizer_uses_decoupled = optimizer_reads_decoupled_grad(optimizer)
+    if optimizer_uses_decoupled == model_uses_decoupled:
+        return
+    inner = _unwrap_optimizer(optimizer)
+    name = type(inner).__name__
+    if inner is not optimizer:
+        name = f"{name} (wrapped in {type(optimizer).__name__})"
+    model_side = (
+        "writes gradients to param.decoupled_grad and leaves param.grad None"
+        if model_uses_decoupled
+        else "writes gradients to param.grad"
+    )
+    optim_side = "reads param.decoupled_grad" if optimizer_uses_decoupled else "reads param.grad"
+    consequence = (
+        "every optimizer step would see no gradients and silently do nothing"
+        if model_uses_decoupled
+        else "the optimizer would find no decoupled gradients to step on"
+    )
+    raise ValueError(
+        "Inconsistent decoupled gradients setting: the model was wrapped with "
+        f"use_decoupled_grad={model_uses_decoupled} (it {model_side}), but the optimizer "
+        f"{name} has use_decoupled_grad={optimizer_uses_decoupled} (it {optim_side}); "
+        f"{consequence}. Fix: use the same setting for both, e.g. "
+        "fully_shard(..., use_decoupled_grad=True) with "
+        "fsdp_impl.optim.AdamW(..., use_decoupled_grad=True) (or TransformerEngine "
+        "FusedAdam(use_decoupled_grad=True)), or use_decoupled_grad=False for both; "
+        "torch.optim optimizers only read param.grad, so they need use_decoupled_grad=False."
+    )

@@ -1,0 +1,64 @@
+"""The one place that picks the compute device, plus a stream abstraction that is a no-op on CPU.
+
+On CUDA, collectives run on side streams ordered against the compute stream with events; on CPU
+(gloo) everything is synchronous and these objects do nothing, so the engine code is identical.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def pick_device(mesh: DeviceMesh) -> torch.device:
+    """cuda:<current> when the mesh lives on CUDA, else cpu."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def default_device_type() -> str:
+    """Device type for a mesh built by us (``device_mesh=None``)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class CommStream:
+    """A side stream for collectives (CUDA) or nothing (CPU).
+
+    ``use()`` makes the side stream current after waiting for the compute stream, so the
+    collective sees finished inputs; ``record()`` returns an event the consumer waits on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream: Optional["torch.cuda.Stream"] = (
+            torch.cuda.Stream(device=device) if device.type == "cuda" else None)
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[None]:
+        if self._stream is None:
+            yield
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def record(self) -> Optional["torch.cuda.Event"]:
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+    @staticmethod
+    def wait(event: Optional["torch.cuda.Event"]) -> None:
+        """Make the current (compute) stream wait for ``event``; no-op on CPU."""
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def keep_alive(self, tensor: torch.Tensor) -> None:
+        """Tell the caching allocator ``tensor`` is used on the side stream."""
+        if self._stream is not None:
+            tensor.record_stream(self._stream)

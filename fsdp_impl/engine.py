@@ -1,0 +1,130 @@
+"""Runtime state of one wrapped model and the transitions the hooks trigger.
+
+``FSDPEngine`` is the explicit state object every hook is bound to (no closures sharing
+attributes): which units exist, whether this backward syncs, which comm dtype is in force, and
+whether the end-of-backward callback is queued.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from . import comm
+from .param import ManagedParam
+from .policy import ShardingStrategy
+from .unit import FSDPUnit, UnitContext
+
+
+class FSDPEngine:
+    """Drives the units of one model through forward, backward and grad sync."""
+
+    def __init__(self, units: List[FSDPUnit], root: FSDPUnit, ctx: UnitContext, sync: bool,
+                 use_decoupled_grad: bool, report_nan: bool) -> None:
+        self.units = units  # fixed order, identical on every rank; root is last
+        for i, unit in enumerate(units):
+            unit.index = i
+        self.root = root
+        self.ctx = ctx
+        self.sync = sync
+        self.use_decoupled_grad = use_decoupled_grad
+        self.report_nan = report_nan
+        self.comm_dtype_override: Optional[torch.dtype] = None
+        self._callback_queued = False
+        self._stale: List[bool] = [True] * len(units)
+
+    # ------------------------------------------------------------------- forward
+    def comm_dtype(self, unit: FSDPUnit) -> torch.dtype:
+        return self.comm_dtype_override or unit.dtypes.grad_comm
+
+    def _agree_on_stale_units(self) -> None:
+        """ZeRO-1/2: decide which units' compute params need a refresh, identically on all ranks
+        (a rank-local version check alone could make ranks disagree on issuing an all-gather)."""
+        changed = [u.weights_changed() for u in self.units]
+        if self.ctx.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
+            flags = torch.tensor(changed, dtype=torch.int32, device=self.ctx.device)
+            comm.all_reduce_max(flags, self.ctx.group)
+            changed = [bool(x) for x in flags.tolist()]
+        self._stale = changed
+
+    def pre_forward(self, unit: FSDPUnit) -> None:
+        zero3 = self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
+        if unit is self.root:
+            if zero3:  # a previous forward without backward left the root gathered: regather
+                unit.reshard()
+            self._agree_on_stale_units()
+        if zero3:
+            unit.unshard()
+        elif self._stale[unit.index]:
+            unit.refresh()
+            self._stale[unit.index] = False
+        unit.swap_in()
+
+    def post_forward(self, unit: FSDPUnit, output: Any) -> None:
+        """Swap the DTensor params back; ZeRO-3 frees non-root units until their backward."""
+        unit.swap_out()
+        if unit is not self.root:
+            unit.reshard()
+        if not torch.is_grad_enabled():
+            if unit is self.root:
+                self.root.reshard()
+            return
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, _PreBackward(self, unit), mode="any")
+        elif unit is self.root:
+            self.root.reshard()
+
+    # ------------------------------------------------------------------ backward
+    def _ensure_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def pre_backward(self, unit: FSDPUnit) -> None:
+        self._ensure_callback()
+        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+            unit.unshard()
+
+    def grad_ready(self, unit: FSDPUnit, param: ManagedParam) -> None:
+        """Post-accumulate-grad hook target: stash the grad; reduce when the unit is complete."""
+        self._ensure_callback()
+        if unit.accept_grad(param, self.comm_dtype(unit)):
+            unit.reduce_grads(self.sync, self.comm_dtype(unit))
+            if unit is not self.root:
+                unit.reshard()
+
+    def finish_backward(self) -> None:
+        """End of backward: reduce units whose grads never all arrived, reshard, install grads."""
+        self._callback_queued = False
+        for unit in reversed(self.units):
+            unit.reduce_grads(self.sync, self.comm_dtype(unit))
+            unit.reshard()
+            unit.end_backward()
+        if self.sync:
+            self.install_grads()
+
+    def install_grads(self) -> None:
+        if self.report_nan:
+            bad = [name for u in self.units for name in u.nan_grad_names()]
+            if bad:
+                raise RuntimeError(f"NaN found in the gradient of parameter(s) {bad} "
+                                   "(report_nan_in_param_grad=True)")
+        for unit in self.units:
+            unit.install_grads(self.use_decoupled_grad)
+
+    def zero_grad_buffers(self) -> None:
+        for unit in self.units:
+            unit.zero_grad_buffers()
+
+
+class _PreBackward:
+    """Callable for ``register_multi_grad_hook``: the unit's pre-backward transition."""
+
+    def __init__(self, engine: FSDPEngine, unit: FSDPUnit) -> None:
+        self.engine = engine
+        self.unit = unit
+
+    def __call__(self, grads: Any) -> None:
+        self.engine.pre_backward(self.unit)

@@ -1,0 +1,83 @@
+"""Device-mesh validation and the process-group index exposed as ``model.dist_index``."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .device import default_device_type
+
+
+def _mesh_names(mesh: DeviceMesh) -> List[str]:
+    """Dim names addressable on ``mesh``: its own and those flattened from it."""
+    names = list(mesh.mesh_dim_names or ())
+    for attr in ("_flatten_mapping",):  # torch >= 2.6 keeps flattened sub-meshes here
+        mapping = getattr(mesh, attr, None)
+        if isinstance(mapping, dict):
+            names.extend(sorted(mapping.keys()))
+    return names
+
+
+def submesh(mesh: DeviceMesh, name: str, arg_name: str) -> DeviceMesh:
+    """``mesh[name]`` or a ValueError naming the argument and the dims that exist."""
+    try:
+        return mesh[name]
+    except (KeyError, RuntimeError, ValueError) as err:
+        raise ValueError(f"{arg_name}={name!r} is not a dim of the device mesh; allowed values: "
+                         f"{_mesh_names(mesh)}") from err
+
+
+def build_mesh(device_mesh: Optional[DeviceMesh], dp_shard_dim: Optional[str]) -> tuple:
+    """Return ``(mesh, shard_mesh)`` after checking the mesh covers the world."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fully_shard needs an initialised default process group "
+                           "(torch.distributed.init_process_group)")
+    world = dist.get_world_size()
+    if device_mesh is None:
+        if dp_shard_dim is not None and dp_shard_dim != "dp_shard":
+            raise ValueError(f"dp_shard_dim={dp_shard_dim!r} given without a device_mesh; with "
+                             "device_mesh=None the built mesh has one dim: allowed values: "
+                             "['dp_shard', None]")
+        device_mesh = init_device_mesh(default_device_type(), (world,), mesh_dim_names=("dp_shard",))
+        dp_shard_dim = "dp_shard"
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch DeviceMesh or None, got {type(device_mesh).__name__}")
+    if device_mesh.size() != world:
+        raise ValueError(f"device_mesh has {device_mesh.size()} ranks (shape "
+                         f"{tuple(device_mesh.shape)}) but the world has {world}; the mesh must cover "
+                         "every rank of the default process group")
+    if dp_shard_dim is None:
+        if device_mesh.ndim != 1:
+            raise ValueError(f"dp_shard_dim must name the data-parallel shard dim of a "
+                             f"{device_mesh.ndim}-D mesh; allowed values: {_mesh_names(device_mesh)}")
+        return device_mesh, device_mesh
+    return device_mesh, submesh(device_mesh, dp_shard_dim, "dp_shard_dim")
+
+
+class DistIndex:
+    """Process groups of the wrapped model; ``None`` for parallelism not in use."""
+
+    def __init__(self, mesh: DeviceMesh, shard_mesh: DeviceMesh) -> None:
+        self.device_mesh = mesh
+        self.shard_mesh = shard_mesh
+
+    def get_fsdp_group(self) -> dist.ProcessGroup:
+        return self.shard_mesh.get_group()
+
+    def get_outer_fsdp_group(self) -> Optional[dist.ProcessGroup]:
+        return None
+
+    def get_hybrid_fsdp_group(self) -> Optional[dist.ProcessGroup]:
+        return None
+
+    def get_tp_group(self) -> Optional[dist.ProcessGroup]:
+        return None
+
+    @property
+    def shard_rank(self) -> int:
+        return self.shard_mesh.get_local_rank()
+
+    @property
+    def shard_size(self) -> int:
+        return self.shard_mesh.size()

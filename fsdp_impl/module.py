@@ -1,0 +1,88 @@
+"""The wrapper ``nn.Module`` returned by ``fully_shard`` / ``fully_shard_model``."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List
+
+import torch
+import torch.nn as nn
+
+from .buffers import ParamAndGradBuffer
+from .engine import FSDPEngine
+from .mesh import DistIndex
+from .policy import MixedPrecisionPolicy
+
+
+class FullyShardedModule(nn.Module):
+    """Holds the user's module as ``self.module`` (its params are DTensor shards outside forward)
+    and drives the root unit around each forward."""
+
+    def __init__(self, module: nn.Module, engine: FSDPEngine, buffer: ParamAndGradBuffer,
+                 dist_index: DistIndex, hook_handles: List[Any]) -> None:
+        super().__init__()
+        self.module = module
+        self._fsdp_engine = engine
+        self.param_and_grad_buffer = buffer
+        self.dist_index = dist_index
+        self._fsdp_hook_handles = hook_handles
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._root_pre_forward()
+        output = self.module(*args, **kwargs)
+        self._root_post_forward(output)
+        return output
+
+    @torch.compiler.disable
+    def _root_pre_forward(self) -> None:
+        self._fsdp_engine.pre_forward(self._fsdp_engine.root)
+
+    @torch.compiler.disable
+    def _root_post_forward(self, output: Any) -> None:
+        self._fsdp_engine.post_forward(self._fsdp_engine.root, output)
+
+    def set_model_auto_sync(self, sync: bool) -> None:
+        """False: following backwards only accumulate (no ``.grad`` on the optimizer params);
+        True: the next backward synchronises and installs the grads."""
+        if not isinstance(sync, bool):
+            raise TypeError(f"set_model_auto_sync(sync) needs a bool, got {sync!r}")
+        self._fsdp_engine.sync = sync
+
+    @contextlib.contextmanager
+    def mixed_precision_context(self, policy: MixedPrecisionPolicy) -> Iterator[None]:
+        """Use ``policy.grad_comm_dtype`` for grad communication within the scope (the buffer
+        dtypes are fixed at wrap time; ``None`` restores each unit's default)."""
+        if not isinstance(policy, MixedPrecisionPolicy):
+            raise TypeError(f"mixed_precision_context(policy) needs a MixedPrecisionPolicy, got {policy!r}")
+        previous = self._fsdp_engine.comm_dtype_override
+        self._fsdp_engine.comm_dtype_override = policy.grad_comm_dtype
+        try:
+            yield
+        finally:
+            self._fsdp_engine.comm_dtype_override = previous
+
+    def zero_grad_buffer(self) -> None:
+        """Zero the main-grad and accumulation buffers (the installed grads are views of them)."""
+        self._fsdp_engine.zero_grad_buffers()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero_grad_buffer()
+        super().zero_grad(set_to_none=set_to_none)
+        if self._fsdp_engine.use_decoupled_grad:
+            reset_decoupled_grads(self.parameters(), set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+
+def reset_decoupled_grads(params: Any, set_to_none: bool) -> None:
+    for p in params:
+        grad = getattr(p, "decoupled_grad", None)
+        if grad is None:
+            continue
+        if set_to_none:
+            p.decoupled_grad = None
+        else:
+            grad.zero_()

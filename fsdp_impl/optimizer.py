@@ -1,0 +1,62 @@
+"""Optimizer integration: point the user's optimizer at the DTensor shards and make
+``zero_grad`` reset the FSDP accumulation buffers.
+
+The optimizer object keeps its class behaviour, hyper-parameters and param groups; its class is
+swapped for a one-off subclass that adds the buffer reset (``isinstance`` checks keep working).
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from .engine import FSDPEngine
+from .module import reset_decoupled_grads
+
+
+def remap_optimizer_params(optimizer: torch.optim.Optimizer, mapping: Dict[int, torch.nn.Parameter]) -> None:
+    """Replace each original param in the optimizer's groups by its DTensor shard, in place."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if any(len(s) for s in optimizer.state.values()):
+        raise ValueError("optimizer already has state (it has stepped); build it on the unwrapped "
+                         "module's params before any step, or on model.parameters() after wrapping")
+    new_groups: List[List[torch.nn.Parameter]] = []
+    for gi, group in enumerate(optimizer.param_groups):
+        params = []
+        for p in group["params"]:
+            if id(p) not in mapping:
+                raise ValueError(f"optimizer param group {gi} holds a parameter of shape "
+                                 f"{tuple(p.shape)} that is not a parameter of the wrapped module; "
+                                 "the optimizer's params must be the model's")
+            params.append(mapping[id(p)])
+        new_groups.append(params)
+    for group, params in zip(optimizer.param_groups, new_groups):
+        group["params"] = params
+    optimizer.state.clear()
+
+
+class _FSDPOptimizerMixin:
+    """Adds the FSDP buffer reset to ``zero_grad``."""
+
+    _fsdp_engines: List[FSDPEngine]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for engine in self._fsdp_engines:
+            engine.zero_grad_buffers()
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
+        if any(e.use_decoupled_grad for e in self._fsdp_engines):
+            reset_decoupled_grads((p for g in self.param_groups for p in g["params"]), set_to_none)  # type: ignore[attr-defined]
+
+
+def attach_engines(optimizer: torch.optim.Optimizer, engines: List[FSDPEngine]) -> torch.optim.Optimizer:
+    """Give ``optimizer`` the FSDP ``zero_grad`` (idempotent; several models may share one)."""
+    if isinstance(optimizer, _FSDPOptimizerMixin):
+        for engine in engines:
+            if all(engine is not e for e in optimizer._fsdp_engines):
+                optimizer._fsdp_engines.append(engine)
+        return optimizer
+    cls = type(optimizer)
+    optimizer.__class__ = type(f"FSDP{cls.__name__}", (_FSDPOptimizerMixin, cls), {"__module__": cls.__module__})
+    optimizer._fsdp_engines = list(engines)
+    return optimizer

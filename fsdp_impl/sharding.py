@@ -1,0 +1,109 @@
+"""Pure shard arithmetic (no torch.distributed): which rows of a parameter each rank holds and
+where every parameter lives in a unit's flat, padded communication buffer.
+
+Semantics follow ``torch.chunk`` / DTensor ``Shard(0)``: every rank gets ``ceil(rows / n)`` rows
+except trailing ranks, which get fewer or none. A unit's per-rank segment reserves
+``ceil(rows / n) * row_numel`` elements for each parameter so that one all-gather / one
+reduce-scatter of equal-sized segments moves the whole unit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+
+
+def chunk_rows(rows: int, num_shards: int) -> int:
+    """Rows per shard (the padded shard height) under torch.chunk semantics."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    return -(-rows // num_shards) if rows > 0 else 0
+
+
+def shard_row_range(rows: int, num_shards: int, rank: int) -> Tuple[int, int]:
+    """[start, end) rows held by ``rank``; empty (start == end) for trailing ranks."""
+    if not 0 <= rank < num_shards:
+        raise ValueError(f"rank must be in [0, {num_shards}), got {rank}")
+    c = chunk_rows(rows, num_shards)
+    return min(rank * c, rows), min((rank + 1) * c, rows)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives: its global shape and its offset in the per-rank segment."""
+
+    shape: Tuple[int, ...]
+    offset: int  # element offset inside one rank's segment
+    chunk: int  # padded rows per rank
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        n = 1
+        for s in self.shape[1:]:
+            n *= s
+        return n
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements reserved in each rank's segment."""
+        return self.chunk * self.row_numel
+
+    def local_shape(self, num_shards: int, rank: int) -> Tuple[int, ...]:
+        start, end = shard_row_range(self.rows, num_shards, rank)
+        return (end - start,) + tuple(self.shape[1:]) if self.shape else ()
+
+
+class FlatLayout:
+    """The packing of a list of parameter shapes into equal per-rank segments."""
+
+    def __init__(self, shapes: Sequence[Sequence[int]], num_shards: int) -> None:
+        self.num_shards = num_shards
+        self.slots: List[ParamSlot] = []
+        offset = 0
+        for shape in shapes:
+            shape = tuple(int(s) for s in shape)
+            if len(shape) == 0:
+                raise ValueError("0-dim parameters must be viewed as shape (1,) before layout")
+            slot = ParamSlot(shape, offset, chunk_rows(shape[0], num_shards))
+            self.slots.append(slot)
+            offset += slot.padded_numel
+        self.segment_numel = offset
+
+    @property
+    def total_numel(self) -> int:
+        return self.segment_numel * self.num_shards
+
+    def local_view(self, segment: torch.Tensor, index: int, rank: int) -> torch.Tensor:
+        """The shard of parameter ``index`` that ``rank`` holds, as a view into its segment."""
+        slot = self.slots[index]
+        local = slot.local_shape(self.num_shards, rank)
+        n = local[0] * slot.row_numel
+        return segment.narrow(0, slot.offset, n).view(local)
+
+    def pack_full(self, out: torch.Tensor, index: int, full: torch.Tensor, accumulate: bool = False) -> None:
+        """Copy (or add) a full tensor into its padded slots of ``out`` ([num_shards, segment])."""
+        slot = self.slots[index]
+        dst = out.view(self.num_shards, self.segment_numel).narrow(1, slot.offset, slot.padded_numel)
+        flat = full.reshape(-1)
+        pad = slot.padded_numel * self.num_shards - flat.numel()
+        if pad:
+            flat = torch.nn.functional.pad(flat, (0, pad))
+        src = flat.view(self.num_shards, slot.padded_numel)
+        if accumulate:
+            dst.add_(src)
+        else:
+            dst.copy_(src)
+
+    def unpack_full(self, src: torch.Tensor, index: int, full: torch.Tensor) -> None:
+        """Copy parameter ``index`` out of a gathered buffer ``src`` ([num_shards, segment])."""
+        slot = self.slots[index]
+        part = src.view(self.num_shards, self.segment_numel).narrow(1, slot.offset, slot.padded_numel)
+        if slot.padded_numel * self.num_shards == full.numel():
+            full.view(self.num_shards, slot.padded_numel).copy_(part)
+        else:
+            full.view(-1).copy_(part.reshape(-1)[: full.numel()])

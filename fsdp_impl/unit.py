@@ -1,0 +1,255 @@
+"""Per-unit state machine: shard at wrap time, unshard for compute, reshard, reduce grads.
+
+A unit owns one contiguous weight buffer (its shard of every param), one contiguous grad buffer
+(its shard of every trainable param's grad) and the full-size compute params. All collectives a
+unit issues go through the shard group in a fixed order, so every rank issues the same sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from . import comm
+from .buffers import DataParallelBuffer, ParameterGroup, as_dtensor
+from .param import ManagedParam
+from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
+from .sharding import FlatLayout, shard_row_range
+
+
+@dataclass
+class UnitContext:
+    """What every unit of one model shares: where it runs and how it shards."""
+
+    strategy: ShardingStrategy
+    shard_mesh: DeviceMesh
+    group: dist.ProcessGroup
+    rank: int  # rank inside the shard group
+    world: int  # size of the shard group
+    device: torch.device
+    policy: MixedPrecisionPolicy
+
+    @property
+    def num_shards(self) -> int:
+        """Shards of the weight/grad layouts: 1 for no_shard (every rank holds everything)."""
+        return 1 if self.strategy == ShardingStrategy.NO_SHARD else self.world
+
+    @property
+    def layout_rank(self) -> int:
+        return 0 if self.strategy == ShardingStrategy.NO_SHARD else self.rank
+
+
+class FSDPUnit:
+    """One FSDP unit (a ``fsdp_unit_modules`` submodule, or the root group)."""
+
+    def __init__(self, name: str, params: List[ManagedParam], ctx: UnitContext) -> None:
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"FSDP unit {name!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                             "cast the module to one dtype or split it into separate fsdp_unit_modules")
+        self.name = name
+        self.params = params
+        self.ctx = ctx
+        self.dtypes = ResolvedDtypes.resolve(ctx.policy, params[0].dtype if params else torch.float32)
+        self.trainable = [p for p in params if p.requires_grad]
+        for i, p in enumerate(self.trainable):
+            p.grad_index = i
+        n, r = ctx.num_shards, ctx.layout_rank
+        self.weight = DataParallelBuffer(FlatLayout([p.shape for p in params], n), r,
+                                         self.dtypes.main_params, ctx.device)
+        self.grad: Optional[DataParallelBuffer] = None
+        if self.trainable:
+            self.grad = DataParallelBuffer(FlatLayout([p.shape for p in self.trainable], n), r,
+                                           self.dtypes.main_grads, ctx.device)
+        self.group = ParameterGroup(name, self.weight, self.grad,
+                                    ctx.policy.main_params_dtype is not None)
+        self._accumulator: Optional[torch.Tensor] = None  # ZeRO-0/1 full-size unsynced grads
+        self._pending: Optional[torch.Tensor] = None  # ZeRO-2/3 this backward's grads
+        self._ready = 0
+        self.post_backward_done = False
+        self.is_unsharded = False
+        self.synced_version = -1  # weight-buffer version the compute params were built from
+        self._grad_cache: List[Optional[torch.Tensor]] = [None] * len(self.trainable)
+
+    # ----------------------------------------------------------------- wrap time
+    def shard_from_module(self) -> None:
+        """Copy each param's local rows into the weight buffer and swap in the DTensor params."""
+        sharded = self.ctx.strategy != ShardingStrategy.NO_SHARD
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                full = p.current().detach()
+                start, end = shard_row_range(p.shape[0], self.ctx.num_shards, self.ctx.layout_rank)
+                self.weight.local_view(i).copy_(full[start:end])
+                local = self.weight.local_view(i)
+                p.sharded = nn.Parameter(as_dtensor(local, self.ctx.shard_mesh, p.shape, sharded),
+                                         requires_grad=p.requires_grad)
+                p.unsharded = nn.Parameter(
+                    torch.empty(p.shape, dtype=self.dtypes.compute, device=self.ctx.device),
+                    requires_grad=p.requires_grad)
+                p.set_on_module(p.sharded)
+        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+            self._free_unsharded()
+
+    # ------------------------------------------------------------ compute params
+    def version_signature(self) -> int:
+        """Sum of the version counters that move when the main weights are edited in place.
+
+        In-place ops on a DTensor (``optimizer.step()``) bump the DTensor's own counter but not
+        its local tensor's (they run below autograd), while direct edits of ``to_local()`` or of
+        the buffer bump only theirs; counters only grow, so the sum changes iff one of them did.
+        """
+        total = self.weight.data._version
+        for p in self.params:
+            total += p.sharded._version + p.sharded._local_tensor._version
+        return total
+
+    def weights_changed(self) -> bool:
+        """True when the main weights changed since the compute params were last built."""
+        return self.version_signature() != self.synced_version
+
+    def unshard(self) -> None:
+        """Make the full compute params valid (ZeRO-3: allocate and all-gather)."""
+        if self.is_unsharded:
+            return
+        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+            for p in self.params:
+                storage = p.unsharded.untyped_storage()
+                need = p.unsharded.numel() * p.unsharded.element_size()
+                if storage.size() != need:
+                    storage.resize_(need)
+        self.refresh()
+        self.is_unsharded = True
+
+    def refresh(self) -> None:
+        """Rebuild the compute params from the main shards (one collective per unit)."""
+        if not self.params:
+            return
+        compute = self.dtypes.compute
+        local = self.weight.data if self.weight.dtype == compute else self.weight.data.to(compute)
+        with torch.no_grad():
+            if self.ctx.strategy == ShardingStrategy.NO_SHARD:
+                for i, p in enumerate(self.params):
+                    with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
+                        p.unsharded.copy_(self.weight.layout.local_view(local, i, 0))
+            else:
+                layout = self.weight.layout
+                gathered = torch.empty(layout.total_numel, dtype=compute, device=self.ctx.device)
+                comm.all_gather(gathered, local, self.ctx.group)
+                for i, p in enumerate(self.params):
+                    with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
+                        layout.unpack_full(gathered, i, p.unsharded)
+        self.synced_version = self.version_signature()
+
+    def reshard(self) -> None:
+        """ZeRO-3: free the compute storage (autograd's saved references stay valid objects)."""
+        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and self.is_unsharded:
+            self._free_unsharded()
+            self.is_unsharded = False
+
+    def _free_unsharded(self) -> None:
+        for p in self.params:
+            p.unsharded.untyped_storage().resize_(0)
+
+    def swap_in(self) -> None:
+        for p in self.params:
+            p.set_on_module(p.unsharded)
+
+    def swap_out(self) -> None:
+        for p in self.params:
+            p.set_on_module(p.sharded)
+
+    # --------------------------------------------------------------------- grads
+    def accept_grad(self, p: ManagedParam, comm_dtype: torch.dtype) -> bool:
+        """Move ``p``'s fresh grad into the unit's reduce/accumulate buffer.
+
+        Returns True when it was the unit's last expected grad of this backward.
+        """
+        grad = p.unsharded.grad
+        p.unsharded.grad = None
+        if grad is None:
+            return False
+        layout = self.grad.layout
+        if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
+            if self._pending is None:
+                self._pending = torch.zeros(layout.total_numel, dtype=comm_dtype, device=self.ctx.device)
+            layout.pack_full(self._pending, p.grad_index, grad)
+        else:
+            layout.pack_full(self._full_accumulator(), p.grad_index, grad, accumulate=True)
+        self._ready += 1
+        return self._ready == len(self.trainable)
+
+    def _full_accumulator(self) -> torch.Tensor:
+        if self._accumulator is None:
+            self._accumulator = torch.zeros(self.grad.layout.total_numel, dtype=self.dtypes.main_grads,
+                                            device=self.ctx.device)
+        return self._accumulator
+
+    def reduce_grads(self, sync: bool, comm_dtype: torch.dtype) -> None:
+        """Once per backward: ZeRO-2/3 reduce-scatter now; ZeRO-0/1 only on the sync step."""
+        if self.post_backward_done or self.grad is None:
+            self.post_backward_done = True
+            return
+        self.post_backward_done = True
+        strategy, group = self.ctx.strategy, self.ctx.group
+        if strategy >= ShardingStrategy.OPTIM_GRADS:
+            full = self._pending
+            if full is None:  # no grad arrived: still join the collective with zeros
+                full = torch.zeros(self.grad.layout.total_numel, dtype=comm_dtype, device=self.ctx.device)
+            self._pending = None
+        elif sync:
+            full = self._full_accumulator().to(comm_dtype)
+            if full.data_ptr() == self._accumulator.data_ptr():
+                full = full.clone()
+            self._accumulator.zero_()
+        else:
+            return
+        if strategy == ShardingStrategy.NO_SHARD:
+            comm.all_reduce_avg(full, group)
+            self.grad.data.add_(full)
+        else:
+            out = torch.empty(self.grad.layout.segment_numel, dtype=full.dtype, device=self.ctx.device)
+            comm.reduce_scatter_avg(out, full, group)
+            self.grad.data.add_(out)
+
+    def end_backward(self) -> None:
+        self._ready = 0
+        self.post_backward_done = False
+
+    def install_grads(self, decoupled: bool) -> None:
+        """Expose the main-grad shards on the DTensor params (``.grad`` or ``.decoupled_grad``).
+
+        Same dtype: a persistent DTensor view of the grad buffer. Different dtype (e.g. fp32 grads
+        for bf16 main params): a cast copy, because torch requires ``grad.dtype == param.dtype``.
+        """
+        sharded = self.ctx.strategy != ShardingStrategy.NO_SHARD
+        for p in self.trainable:
+            i = p.grad_index
+            current = getattr(p.sharded, "decoupled_grad" if decoupled else "grad", None)
+            if current is not None and current is self._grad_cache[i]:
+                continue
+            local = self.grad.local_view(i)
+            if decoupled or local.dtype == p.sharded.dtype:
+                g = as_dtensor(local, self.ctx.shard_mesh, p.shape, sharded)
+                self._grad_cache[i] = g
+            else:
+                g = as_dtensor(local.to(p.sharded.dtype), self.ctx.shard_mesh, p.shape, sharded)
+            if decoupled:
+                p.sharded.decoupled_grad = g
+            else:
+                p.sharded.grad = g
+
+    def zero_grad_buffers(self) -> None:
+        if self.grad is not None:
+            self.grad.data.zero_()
+        if self._accumulator is not None:
+            self._accumulator.zero_()
+
+    def nan_grad_names(self) -> List[str]:
+        """FQNs of params whose local main-grad shard holds a NaN."""
+        if self.grad is None:
+            return []
+        return [p.fqn for p in self.trainable if torch.isnan(self.grad.local_view(p.grad_index)).any()]

@@ -1,0 +1,119 @@
+"""Choose backend and device for a bucket, and evaluate the GPU/module requirement markers.
+
+This is the one place in the harness that decides between CUDA/NCCL and CPU/gloo.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from typing import Optional
+
+import pytest
+
+from harness import spec as spec_mod
+
+FORCE_CPU_ENV = "HARNESS_FORCE_CPU"
+BACKEND_CHOICES = ("auto", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a bucket's ranks run: backend name, device type and the GPU id per rank (None on CPU)."""
+
+    backend: str
+    device_type: str
+    gpu_ids: Optional[tuple[int, ...]]
+
+
+def force_cpu(config: pytest.Config) -> bool:
+    """True when the CPU backend is forced by option or by ``HARNESS_FORCE_CPU=1``."""
+    return config.getoption("harness_backend") == "cpu" or os.environ.get(FORCE_CPU_ENV, "") not in ("", "0")
+
+
+def visible_gpus() -> int:
+    """Number of GPUs the harness may use; honours the GPU-lease helper's fake count when present."""
+    try:
+        from harness import gpu_lease  # written by another helper; optional
+    except ImportError:
+        gpu_lease = None
+    if gpu_lease is not None and hasattr(gpu_lease, "visible_gpu_count"):
+        return int(gpu_lease.visible_gpu_count())
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cpu_placement() -> Placement:
+    return Placement(backend="gloo", device_type="cpu", gpu_ids=None)
+
+
+def gpu_placement(gpu_ids: tuple[int, ...]) -> Placement:
+    """NCCL on the leased GPUs; gloo on CPU when the GPUs are fake (``HARNESS_FAKE_GPUS``, no CUDA)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return Placement(backend="nccl", device_type="cuda", gpu_ids=gpu_ids)
+    return Placement(backend="gloo", device_type="cpu", gpu_ids=gpu_ids)
+
+
+def wants_gpu(config: pytest.Config, world_size: int) -> bool:
+    """NCCL with one GPU per rank when enough GPUs are visible and CPU is not forced."""
+    return not force_cpu(config) and visible_gpus() >= world_size
+
+
+def _cuda_usable() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _cuda_capability() -> Optional[tuple[int, int]]:
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return None
+    return min(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
+
+
+def _module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def missing_requirements(item: pytest.Item, config: pytest.Config, world_size: Optional[int] = None) -> list[str]:
+    """Human-readable list of what the machine lacks for ``item``'s requirement markers.
+
+    ``world_size`` (for distributed items) also checks that the node has one GPU per rank.
+    """
+    missing: list[str] = []
+    forced = force_cpu(config)
+    needs_cuda = item.get_closest_marker(spec_mod.REQUIRES_CUDA) is not None
+    arch_marks = list(item.iter_markers(spec_mod.REQUIRES_GPU_ARCH))
+    no_gpu = ""
+    if needs_cuda or arch_marks:
+        if forced:
+            no_gpu = "CPU backend forced by --harness-backend=cpu / HARNESS_FORCE_CPU=1"
+        elif visible_gpus() == 0 or not _cuda_usable():
+            no_gpu = "no GPU visible"
+    if needs_cuda and no_gpu:
+        missing.append(f"CUDA ({no_gpu})")
+    elif (needs_cuda or arch_marks) and world_size is not None and visible_gpus() < world_size:
+        missing.append(f"{world_size} GPUs, one per rank (the node has {visible_gpus()})")
+    for mark in arch_marks:
+        need = spec_mod.parse_gpu_arch(mark.args[0], item.nodeid)
+        want = f"GPU architecture {mark.args[0]} (compute capability >= {need[0]}.{need[1]})"
+        if no_gpu:
+            missing.append(f"{want}: {no_gpu}")
+            continue
+        cap = _cuda_capability()
+        if cap is None or cap < need:
+            have = "none" if cap is None else f"sm{cap[0]}{cap[1]}"
+            missing.append(f"{want}; have {have}")
+    for mark in item.iter_markers(spec_mod.REQUIRES_MODULE):
+        for name in mark.args:
+            if not _module_available(name):
+                missing.append(f"Python module {name!r}")
+    return missing

@@ -1,0 +1,194 @@
+"""Merge the per-rank TestReports of one test into the controller's ordinary pytest TestReports.
+
+A phase passes only if every rank passed, is skipped only if every rank skipped, and otherwise fails
+with each failing rank's traceback and captured output labelled by rank (the first failing rank is
+named as the cause). Per-rank outcomes go into ``user_properties`` (``rank0=passed`` ...), which
+JUnit XML writes as properties.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import pytest
+from _pytest._code.code import ReprFileLocation
+
+from harness.bucket import Fault, TestOutcome
+
+PHASES = ("setup", "call", "teardown")
+
+
+class RankFailureRepr:
+    """A failure longrepr with a one-line ``reprcrash`` (for -r summaries and JUnit's message)."""
+
+    def __init__(self, path: str, lineno: int, message: str, text: str) -> None:
+        self.reprcrash = ReprFileLocation(path, lineno, message)
+        self.text = text
+
+    def toterminal(self, tw: Any) -> None:
+        for line in self.text.splitlines():
+            tw.line(line)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _rank_reports(config: pytest.Config, payload: dict[str, Any]) -> dict[str, pytest.TestReport]:
+    out: dict[str, pytest.TestReport] = {}
+    for data in payload.get("reports", []):
+        rep = config.hook.pytest_report_from_serializable(config=config, data=data)
+        if isinstance(rep, pytest.TestReport):
+            out[rep.when] = rep
+    return out
+
+
+def _crash_line(rep: pytest.TestReport) -> str:
+    crash = getattr(rep.longrepr, "reprcrash", None)
+    if crash is not None and getattr(crash, "message", None):
+        return crash.message.splitlines()[0] if crash.message else ""
+    text = str(rep.longrepr).strip().splitlines()
+    return text[-1] if text else rep.outcome
+
+
+def _rank_block(rank: int, rep: pytest.TestReport, cause: bool) -> str:
+    tag = " (cause)" if cause else ""
+    parts = [f"{'=' * 20} rank {rank}{tag}: {rep.when} {rep.outcome} {'=' * 20}", rep.longreprtext]
+    for title, content in rep.sections:
+        parts.append(f"{'-' * 10} {title} [rank {rank}] {'-' * 10}\n{content.rstrip()}")
+    return "\n".join(parts)
+
+
+class ReportBuilder:
+    """Builds the controller-side reports of one distributed item."""
+
+    def __init__(self, item: pytest.Item, world_size: int, outcome: TestOutcome) -> None:
+        self.item = item
+        self.world_size = world_size
+        self.outcome = outcome
+        config = item.config
+        self.per_rank = {r: _rank_reports(config, p) for r, p in outcome.payloads.items()}
+        self.errors = {r: p["error"] for r, p in outcome.payloads.items() if p.get("error")}
+        self.fail_order = [r for _, r in sorted((p.get("t", 0.0), r) for r, p in outcome.payloads.items())]
+        self.path, self.lineno = str(item.location[0]), int(item.location[1] or 0)
+
+    def rank_outcome(self, rank: int) -> str:
+        if rank in self.errors:
+            return "error"
+        reps = self.per_rank.get(rank)
+        if not reps:
+            return "no-report"
+        if any(r.outcome == "failed" for r in reps.values()):
+            return "failed"
+        if any(r.outcome == "skipped" for r in reps.values()):
+            return "skipped"
+        return "passed"
+
+    def properties(self) -> list[tuple[str, object]]:
+        props: list[tuple[str, object]] = list(self.item.user_properties)
+        fault = self.outcome.fault
+        for r in range(self.world_size):
+            state = self.rank_outcome(r)
+            if fault is not None and r == fault.cause_rank and fault.kind == "died":
+                state = "died"
+            props.append((f"rank{r}", state))
+        seen: dict[tuple[str, str], list[int]] = {}
+        values: dict[tuple[str, str], object] = {}
+        for r in sorted(self.per_rank):
+            for rep in self.per_rank[r].values():
+                for name, value in rep.user_properties:
+                    if (name, value) in props:
+                        continue
+                    k = (str(name), repr(value))
+                    if r not in seen.setdefault(k, []):
+                        seen[k].append(r)
+                    values[k] = value
+        for (name, rv), ranks in seen.items():
+            if len(ranks) == self.world_size:
+                props.append((name, values[(name, rv)]))
+            else:
+                props.extend((f"rank{r}.{name}", values[(name, rv)]) for r in ranks)
+        return props
+
+    def _report(self, when: str, outcome: str, longrepr: Any, sections: list[tuple[str, str]],
+                 duration: float, props: list[tuple[str, object]], **extra: Any) -> pytest.TestReport:
+        now = time.time()
+        return pytest.TestReport(
+            nodeid=self.item.nodeid, location=self.item.location, keywords={k: 1 for k in self.item.keywords},
+            outcome=outcome, longrepr=longrepr, when=when, sections=sections, duration=duration,
+            start=now - duration, stop=now, user_properties=props, **extra)
+
+    def build(self) -> list[pytest.TestReport]:
+        props = self.properties()
+        if self.outcome.fault is not None:
+            return self._build_fault(self.outcome.fault, props)
+        reports = []
+        for when in PHASES:
+            rep = self._merge_phase(when, props)
+            if rep is None:
+                continue
+            reports.append(rep)
+            if when == "setup" and rep.outcome != "passed":
+                break
+        if reports and reports[-1].when != "teardown":
+            reports.append(self._merge_phase("teardown", props) or self._report("teardown", "passed", None, [], 0.0, props))
+        return reports
+
+    def _merge_phase(self, when: str, props: list[tuple[str, object]]) -> Optional[pytest.TestReport]:
+        reps = {r: self.per_rank.get(r, {}).get(when) for r in range(self.world_size)}
+        if all(v is None for v in reps.values()) and not self.errors:
+            return None
+        sections = [(f"{t} [rank {r}]", c) for r, rep in reps.items() if rep is not None for t, c in rep.sections]
+        duration = max((rep.duration for rep in reps.values() if rep is not None), default=0.0)
+        kinds = {(rep.outcome, hasattr(rep, "wasxfail")) if rep is not None else ("missing", False) for rep in reps.values()}
+        if len(kinds) == 1 and not self.errors and next(iter(kinds))[0] != "failed":
+            base = reps[0]
+            assert base is not None
+            longrepr = tuple(base.longrepr) if isinstance(base.longrepr, list) else base.longrepr
+            extra = {"wasxfail": base.wasxfail} if hasattr(base, "wasxfail") else {}
+            return self._report(when, base.outcome, longrepr, sections, duration, props, **extra)
+        return self._report(when, "failed", self._failure_repr(when, reps), sections, duration, props)
+
+    def _failure_repr(self, when: str, reps: dict[int, Optional[pytest.TestReport]]) -> RankFailureRepr:
+        failing = [r for r in self.fail_order if r in self.errors or (reps.get(r) is not None and reps[r].outcome == "failed")]
+        others = [r for r in range(self.world_size) if r not in failing]
+        status = ", ".join(f"rank {r}={reps[r].outcome if reps.get(r) else 'missing'}" for r in others)
+        blocks = [f"{when} failed on rank(s) {failing}" + (f"; {status}" if status else "")] if failing else []
+        first_msg = ""
+        for i, r in enumerate(failing):
+            if r in self.errors:
+                blocks.append(f"{'=' * 20} rank {r}: {self.errors[r]}")
+                first_msg = first_msg or self.errors[r]
+            else:
+                rep = reps[r]
+                assert rep is not None
+                blocks.append(_rank_block(r, rep, cause=(i == 0 and len(failing) > 1)))
+                first_msg = first_msg or f"[rank {r}] {_crash_line(rep)}"
+        if not failing:
+            first_msg = f"ranks disagree on the {when} outcome: " + ", ".join(
+                f"rank {r}={reps[r].outcome if reps.get(r) else 'missing'}" for r in range(self.world_size))
+            blocks.append(first_msg)
+        return RankFailureRepr(self.path, self.lineno, first_msg, "\n".join(blocks))
+
+    def _build_fault(self, fault: Fault, props: list[tuple[str, object]]) -> list[pytest.TestReport]:
+        blocks = [f"HARNESS FAULT ({fault.kind}): {fault.summary}"]
+        message = fault.summary
+        cause = fault.cause_rank
+        if cause is not None and cause in self.per_rank:
+            for when in PHASES:
+                rep = self.per_rank[cause].get(when)
+                if rep is not None and rep.outcome == "failed":
+                    blocks.append(_rank_block(cause, rep, cause=True))
+                    message = f"[rank {cause}] {_crash_line(rep)} ({fault.summary})"
+                    break
+        for r in self.fail_order:
+            if r == cause:
+                continue
+            for rep in self.per_rank.get(r, {}).values():
+                if rep.outcome == "failed":
+                    blocks.append(_rank_block(r, rep, cause=False))
+        for title, text in fault.sections:
+            blocks.append(f"{'-' * 10} {title} {'-' * 10}\n{text}")
+        dur = self.outcome.duration
+        setup = self._report("setup", "passed", None, [], 0.0, props)
+        call = self._report("call", "failed", RankFailureRepr(self.path, self.lineno, message, "\n".join(blocks)), [], dur, props)
+        return [setup, call, self._report("teardown", "passed", None, [], 0.0, props)]

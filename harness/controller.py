@@ -1,0 +1,226 @@
+"""The controller plugin (spawn mode): bucket distributed tests and run each bucket in rank processes.
+
+Runs in the pytest process (or in each xdist worker). Non-distributed tests are untouched.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import pathlib
+import re
+from typing import Any, Optional
+
+import pytest
+
+from harness import backend as backend_mod
+from harness.bucket import Bucket, BucketSetup, TestOutcome
+from harness.combine import ReportBuilder
+from harness.spec import DistSpec
+
+DEFAULT_TIMEOUT_S = {"gloo": 120.0, "nccl": 300.0}
+DEFAULT_STARTUP_S = {"gloo": 120.0, "nccl": 300.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketKey:
+    """Identity of a bucket: its name (default: the module's node id) and world size."""
+
+    name: str
+    world_size: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@ws{self.world_size}"
+
+
+SPEC_KEY = pytest.StashKey[DistSpec]()
+BUCKET_KEY = pytest.StashKey[BucketKey]()
+ORIG_NODEID_KEY = pytest.StashKey[str]()
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[-80:]
+
+
+def bucket_key(item: pytest.Item, spec: DistSpec) -> BucketKey:
+    name = spec.bucket if spec.bucket is not None else item.nodeid.split("::", 1)[0]
+    return BucketKey(name=name, world_size=spec.world_size)
+
+
+def order_by_bucket(items: list[pytest.Item]) -> None:
+    """Make each bucket's items contiguous (at its first item's position), keeping all other order."""
+    groups: dict[BucketKey, list[pytest.Item]] = {}
+    slots: list[Any] = []
+    for item in items:
+        key = item.stash.get(BUCKET_KEY, None)
+        if key is None:
+            slots.append(item)
+        elif key not in groups:
+            groups[key] = [item]
+            slots.append(key)
+        else:
+            groups[key].append(item)
+    items[:] = [x for s in slots for x in (groups[s] if isinstance(s, BucketKey) else [s])]
+
+
+class Controller:
+    """Spawn-mode controller: one active bucket at a time, torn down when the bucket's items end."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.active: Optional[Bucket] = None
+        self.active_key: Optional[BucketKey] = None
+        self.active_lease: Any = None
+        self.bucket_count = 0
+        self.test_count = 0
+        self._root: Optional[pathlib.Path] = None
+        atexit.register(self.shutdown)
+
+    # ----- collection ---------------------------------------------------------------------------
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+        for item in items:
+            spec = item.stash.get(SPEC_KEY, None)
+            missing = backend_mod.missing_requirements(item, config, spec.world_size if spec else None)
+            if missing:
+                item.add_marker(pytest.mark.skip(reason="missing requirement(s): " + "; ".join(missing)))
+            if spec is None:
+                continue
+            key = bucket_key(item, spec)
+            item.stash[BUCKET_KEY] = key
+            item.stash[ORIG_NODEID_KEY] = item.nodeid
+            item.add_marker(pytest.mark.xdist_group(name=key.label))
+        order_by_bucket(items)
+
+    # ----- directories ----------------------------------------------------------------------------
+    def root(self) -> pathlib.Path:
+        """The controller's working directory for bucket logs and shared test directories."""
+        if self._root is None:
+            factory = self.config._tmp_path_factory  # type: ignore[attr-defined]
+            self._root = factory.mktemp("harness", numbered=True)
+        return self._root
+
+    def session_shared_dir(self) -> pathlib.Path:
+        """Same for all buckets of the session; under xdist, shared by all workers (basetemp parent)."""
+        base = self.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+        if hasattr(self.config, "workerinput"):
+            base = base.parent
+        path = base / "harness-session-shared"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    # ----- running --------------------------------------------------------------------------------
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: Optional[pytest.Item]) -> Optional[bool]:
+        key = item.stash.get(BUCKET_KEY, None)
+        if key is None or item.get_closest_marker("skip") is not None:
+            return None
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        try:
+            reports = self._run(item, key, nextitem)
+        except BaseException:
+            self.close_active(graceful=False)
+            raise
+        for rep in reports:
+            item.ihook.pytest_runtest_logreport(report=rep)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+    def _run(self, item: pytest.Item, key: BucketKey, nextitem: Optional[pytest.Item]) -> list[pytest.TestReport]:
+        if self.active is not None and (self.active_key != key or not self.active.alive):
+            self.close_active(graceful=True)
+        if self.active is None:
+            self._start(key)
+        bucket = self.active
+        assert bucket is not None
+        same_next = nextitem is not None and nextitem.stash.get(BUCKET_KEY, None) == key \
+            and nextitem.get_closest_marker("skip") is None
+        next_id = nextitem.stash[ORIG_NODEID_KEY] if same_next else None
+        self.test_count += 1
+        shared = self.root() / "shared" / f"{self.test_count:05d}-{_safe(item.name)}"
+        shared.mkdir(parents=True)
+        outcome: TestOutcome = bucket.run_test(item.stash[ORIG_NODEID_KEY], next_id, shared, self._timeout(item, bucket))
+        if outcome.fault is not None:
+            self.close_active(graceful=False)
+        elif not same_next:
+            self.close_active(graceful=True)
+        return ReportBuilder(item, key.world_size, outcome).build()
+
+    def _timeout(self, item: pytest.Item, bucket: Bucket) -> float:
+        spec = item.stash[SPEC_KEY]
+        if spec.timeout is not None:
+            return spec.timeout
+        opt = self.config.getoption("harness_timeout") or self.config.getini("harness_timeout")
+        return float(opt) if opt else DEFAULT_TIMEOUT_S[bucket.setup.placement.backend]
+
+    def _start(self, key: BucketKey) -> None:
+        placement, lease = self._place(key.world_size)
+        self.bucket_count += 1
+        startup = self.config.getoption("harness_startup_timeout") or DEFAULT_STARTUP_S[placement.backend]
+        setup = BucketSetup(
+            label=key.label, world_size=key.world_size, placement=placement,
+            workdir=self.root() / f"bucket{self.bucket_count:03d}-{_safe(key.label)}",
+            rootdir=self.config.rootpath, pytest_args=tuple(self._rank_args(key)),
+            session_shared_dir=self.session_shared_dir(), startup_s=float(startup),
+            grace_s=float(self.config.getoption("harness_grace")),
+            harness_path=pathlib.Path(__file__).resolve().parent.parent,
+        )
+        self.active = Bucket(setup)
+        self.active_key = key
+        self.active_lease = lease
+
+    def _place(self, world_size: int) -> tuple[backend_mod.Placement, Any]:
+        """Backend choice plus the single GPU-lease call site (``harness.gpu_lease``).
+
+        With ``HARNESS_FAKE_GPUS`` on a machine without CUDA the lease (and per-rank
+        ``CUDA_VISIBLE_DEVICES``) is real but the ranks still run gloo on CPU, which lets the GPU
+        scheduling be tested on CPU.
+        """
+        if not backend_mod.wants_gpu(self.config, world_size):
+            return backend_mod.cpu_placement(), None
+        try:
+            from harness import gpu_lease
+        except ImportError:  # lease helper absent: take GPUs 0..N-1 without node-wide locking
+            return backend_mod.gpu_placement(tuple(range(world_size))), None
+        leaser = gpu_lease.GpuLeaser(gpu_lease.default_lock_dir(), backend_mod.visible_gpus())
+        lease = leaser.acquire(world_size, timeout_s=None)
+        return backend_mod.gpu_placement(tuple(lease.gpu_ids)), lease
+
+    def _rank_args(self, key: BucketKey) -> list[str]:
+        items = [i for i in self.config.stash.get(ITEMS_KEY, []) if i.stash.get(BUCKET_KEY, None) == key]
+        paths = list(dict.fromkeys(str(i.path) for i in items))
+        args = paths + ["-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:faulthandler", "-o", "addopts=", "--capture=tee-sys",
+                        "--continue-on-collection-errors", "-q", "--rootdir", str(self.config.rootpath),
+                        f"--import-mode={self.config.option.importmode}"]
+        if self.config.inipath is not None:
+            args += ["-c", str(self.config.inipath)]
+        inv = list(self.config.invocation_params.args)
+        for i, a in enumerate(inv):
+            if a == "-p" and i + 1 < len(inv) and "xdist" not in inv[i + 1]:
+                args += ["-p", inv[i + 1]]
+            elif a.startswith("-p") and len(a) > 2 and "xdist" not in a:
+                args.append(a)
+        return args
+
+    # ----- teardown -------------------------------------------------------------------------------
+    def close_active(self, graceful: bool) -> None:
+        bucket, lease = self.active, self.active_lease
+        self.active, self.active_key, self.active_lease = None, None, None
+        if bucket is not None:
+            bucket.close(graceful=graceful)
+        if lease is not None:
+            lease.release()
+
+    def shutdown(self) -> None:
+        """Kill whatever is still running; called at unconfigure, on Ctrl-C and at interpreter exit."""
+        self.close_active(graceful=False)
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        session.config.stash[ITEMS_KEY] = list(session.items)
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self.shutdown()
+        atexit.unregister(self.shutdown)
+
+
+ITEMS_KEY = pytest.StashKey[list]()

@@ -1,0 +1,129 @@
+"""pytest entry point of the harness (``pytest11`` entry point ``fsdp_harness`` and the root conftest).
+
+Registers options, markers and fixtures, validates markers at collection, and picks the mode:
+rank process (inside a spawned rank), torchrun mode (under ``torchrun -m pytest``) or spawn-mode
+controller (plain ``pytest``, also inside each xdist worker).
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, Generator
+
+import pytest
+
+from harness import backend as backend_mod
+from harness import protocol, spec
+from harness.context import RANK_STATE_KEY, DistEnv, RankState
+
+MARKERS = (
+    "distributed(world_size=N, bucket=None, timeout=None): run the test on N ranks with the default process "
+    "group initialised; tests sharing a bucket (default: module + world size) share rank processes",
+    "requires_cuda: skip unless CUDA GPUs are visible and the CPU backend is not forced",
+    "requires_gpu_arch(arch): skip unless every visible GPU has at least this compute capability ('sm90' = 9.0)",
+    "requires_module(name, ...): skip unless the named Python module(s) can be imported",
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fsdp_harness", "distributed test harness")
+    group.addoption("--harness-backend", dest="harness_backend", choices=backend_mod.BACKEND_CHOICES, default="auto",
+                    help="auto: NCCL with one GPU per rank when enough GPUs are visible, else gloo on CPU; "
+                         "cpu: always gloo on CPU (same as env HARNESS_FORCE_CPU=1)")
+    group.addoption("--harness-timeout", dest="harness_timeout", type=float, default=None,
+                    help="default per-test timeout in seconds for distributed tests (default: 120 on gloo, 300 on "
+                         "nccl; ini: harness_timeout); distributed(timeout=...) overrides")
+    group.addoption("--harness-startup-timeout", dest="harness_startup_timeout", type=float, default=None,
+                    help="extra seconds allowed for a bucket's rank processes to start (default 120 gloo, 300 nccl)")
+    group.addoption("--harness-grace", dest="harness_grace", type=float, default=3.0,
+                    help="seconds to wait for the other ranks after one rank failed before tearing the bucket "
+                         "down (they are probably blocked in a collective); default 3")
+    parser.addini("harness_timeout", "default per-test timeout (s) for distributed tests", default="")
+    parser.addini("harness_forbidden_fixtures", "extra fixture names distributed tests may not request",
+                  type="args", default=[])
+
+
+def run_mode() -> str:
+    """``rank`` inside a spawned rank, ``torchrun`` under torchrun, else ``controller``."""
+    if os.environ.get(protocol.ENV_RANK_PROCESS) == "1":
+        return "rank"
+    if os.environ.get("TORCHELASTIC_RUN_ID") or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")):
+        return "torchrun"
+    return "controller"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Keep each bucket on one xdist worker: default ``-n K`` to ``--dist loadgroup``."""
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "no" \
+            and not getattr(config.option, "distload", False):
+        config.option.dist = "loadgroup"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    mode = run_mode()
+    if mode == "controller":
+        from harness.controller import Controller
+
+        config.pluginmanager.register(Controller(config), "fsdp_harness_controller")
+    elif mode == "torchrun":
+        from harness.torchrun_mode import TorchrunSession
+
+        config.pluginmanager.register(TorchrunSession(config), "fsdp_harness_torchrun")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> Generator[None, Any, Any]:
+    """Validate harness markers as items are made, so bad use is a collection error of that module."""
+    result = yield
+    items = result if isinstance(result, list) else [result]
+    forbidden = spec.CONTROLLER_ONLY_FIXTURES + tuple(collector.config.getini("harness_forbidden_fixtures"))
+    for item in items:
+        if isinstance(item, pytest.Item):
+            try:
+                dist = spec.validate_item(item, forbidden)
+            except spec.HarnessUsageError as exc:
+                raise collector.CollectError(f"fsdp_harness: {exc}") from None
+            if dist is not None:
+                from harness.controller import SPEC_KEY
+
+                item.stash[SPEC_KEY] = dist
+    return result
+
+
+def _rank_state(request: pytest.FixtureRequest) -> RankState:
+    state = request.config.stash.get(RANK_STATE_KEY, None)
+    if state is None:
+        raise pytest.UsageError(
+            f"{request.node.nodeid}: fixture {request.fixturename!r} is only available in tests marked "
+            "@pytest.mark.distributed(world_size=N) (or under torchrun)")
+    return state
+
+
+@pytest.fixture
+def dist_env(request: pytest.FixtureRequest) -> DistEnv:
+    """Rank, world size, local rank, device (torch.device) and backend of this rank."""
+    return _rank_state(request).env
+
+
+@pytest.fixture
+def shared_tmp_path(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> pathlib.Path:
+    """An empty directory that is the same path on every rank of this test (the controller creates it)."""
+    state = request.config.stash.get(RANK_STATE_KEY, None)
+    if state is None or state.shared_tmp is None:
+        return tmp_path
+    return state.shared_tmp
+
+
+@pytest.fixture
+def session_shared_tmp_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A directory shared by all ranks of all buckets of this pytest session (e.g. checkpoints)."""
+    state = request.config.stash.get(RANK_STATE_KEY, None)
+    if state is not None:
+        return state.session_shared_dir
+    controller = request.config.pluginmanager.get_plugin("fsdp_harness_controller")
+    if controller is not None:
+        return controller.session_shared_dir()
+    return tmp_path_factory.getbasetemp() / "harness-session-shared"

@@ -1,0 +1,76 @@
+"""The rank-side pytest plugin: run exactly the tests the controller names, in its order.
+
+Each rank process runs its own in-process pytest session over the bucket's files, so parametrisation,
+fixtures, skips and xfail resolve naturally; this plugin replaces the run loop with a loop that takes
+commands from the controller's TCPStore and posts each test's serialised reports back.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+from typing import Any, Optional
+
+import pytest
+
+from harness import protocol
+from harness.context import RANK_STATE_KEY, RankState
+
+
+class RankSession:
+    """Registered in each rank's pytest session; owns the command loop."""
+
+    def __init__(self, store: Any, state: RankState) -> None:
+        self.store = store
+        self.state = state
+        self.rank = state.env.rank
+        self.world_size = state.env.world_size
+        self.reports: Optional[list[pytest.TestReport]] = None
+        self.config: Optional[pytest.Config] = None
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_configure(self, config: pytest.Config) -> None:
+        self.config = config
+        config.stash[RANK_STATE_KEY] = self.state
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if self.reports is not None:
+            self.reports.append(report)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session: pytest.Session) -> bool:
+        items = {item.nodeid: item for item in session.items}
+        seq = 0
+        while True:
+            cmd = protocol.decode(self.store.get(protocol.key_cmd(seq)))
+            if cmd["op"] == "stop":
+                break
+            self._run_one(items, cmd, seq)
+            seq += 1
+        return True
+
+    def _run_one(self, items: dict[str, pytest.Item], cmd: dict[str, Any], seq: int) -> None:
+        """Run one item through pytest's own protocol and post the reports."""
+        assert self.config is not None
+        nodeid = cmd["nodeid"]
+        item = items.get(nodeid)
+        print(f"[harness] rank {self.rank}: start {nodeid}", flush=True)
+        payload: dict[str, Any] = {"rank": self.rank, "reports": [], "error": None}
+        if item is None:
+            payload["error"] = f"rank {self.rank} did not collect {nodeid!r} (collected {len(items)} items)"
+        else:
+            self.state.shared_tmp = pathlib.Path(cmd["shared_tmp"])
+            nextitem = items.get(cmd["next"]) if cmd.get("next") else None
+            self.reports = []
+            try:
+                item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+            finally:
+                reports, self.reports = self.reports, None
+            hook = self.config.hook
+            payload["reports"] = [hook.pytest_report_to_serializable(config=self.config, report=r) for r in reports]
+        payload["t"] = time.time()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.store.set(protocol.key_res(seq, self.rank), protocol.encode(payload))
+        if self.store.add(protocol.key_done(seq), 1) == self.world_size:
+            self.store.set(protocol.key_all(seq), b"1")

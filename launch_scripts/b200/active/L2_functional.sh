@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# GPU_COUNT=8
+# CI_TIMEOUT=300
+# Tier L2 (full matrix): every functional test, every parametrisation.
+# Generation b200: 8 GPUs; xdist workers: 4.
+set -euo pipefail
+# shellcheck source=../../common.sh source-path=SCRIPTDIR
+source "$(dirname "${BASH_SOURCE[0]}")/../../common.sh"
+harness_init b200 4
+export HARNESS_FULL_MATRIX=1  # suites widen their parametrisation when set
+harness_run_pytest tests/functional

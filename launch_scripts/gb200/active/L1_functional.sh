@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# GPU_COUNT=4
+# CI_TIMEOUT=120
+# Tier L1 (daily): the functional suites without tests marked slow.
+# Generation gb200: 4 GPUs; xdist workers: 2.
+set -euo pipefail
+# shellcheck source=../../common.sh source-path=SCRIPTDIR
+source "$(dirname "${BASH_SOURCE[0]}")/../../common.sh"
+harness_init gb200 2
+harness_run_pytest tests/functional -m "not slow"

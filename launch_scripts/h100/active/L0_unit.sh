@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# GPU_COUNT=8
+# CI_TIMEOUT=20
+# Tier L0 (every change): the unit suites (pieces, policies, the harness's own behaviour).
+# Generation h100: 8 GPUs; xdist workers: 4.
+set -euo pipefail
+# shellcheck source=../../common.sh source-path=SCRIPTDIR
+source "$(dirname "${BASH_SOURCE[0]}")/../../common.sh"
+harness_init h100 4
+harness_run_pytest tests/unit

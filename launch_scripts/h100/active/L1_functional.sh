@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# GPU_COUNT=8
+# CI_TIMEOUT=120
+# Tier L1 (daily): the functional suites without tests marked slow.
+# Generation h100: 8 GPUs; xdist workers: 4.
+set -euo pipefail
+# shellcheck source=../../common.sh source-path=SCRIPTDIR
+source "$(dirname "${BASH_SOURCE[0]}")/../../common.sh"
+harness_init h100 4
+harness_run_pytest tests/functional -m "not slow"

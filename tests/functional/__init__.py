@@ -1,0 +1,1 @@
+"""Test package (importable as tests.functional.common for shared helpers)."""

@@ -1,0 +1,84 @@
+"""Single-process reference training that the distributed suites compare against.
+
+The reference sees the *full* global batch every step (what all ranks together see) and, for a
+low-precision model with fp32 main params, keeps fp32 master copies, casts them into the model
+before each forward and steps the optimizer on the masters: the same arithmetic FSDP does,
+without any sharding, microbatching or communication.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .models import loss_fn, make_batch
+
+OPTIMIZERS = ("adam", "sgd")
+
+
+def make_optimizer(kind: str, named_params: Iterable[Tuple[str, nn.Parameter]], lr: float = 1e-2
+                   ) -> torch.optim.Optimizer:
+    """Adam or SGD with two param groups: matrices (weight decay, ``lr``) and vectors (no decay,
+    ``lr / 2``), so a test notices if groups or their hyper-parameters are lost.
+
+    SGD matters: Adam is nearly invariant to a constant gradient scale, so a wrong reduction
+    average would pass an Adam-only parity test.
+    """
+    decay, no_decay = [], []
+    for name, p in named_params:
+        (decay if p.dim() >= 2 and not name.endswith("bias") else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": 0.01, "lr": lr},
+              {"params": no_decay, "weight_decay": 0.0, "lr": lr / 2}]
+    if kind == "adam":
+        return torch.optim.Adam(groups, lr=lr)
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+    raise ValueError(f"optimizer kind {kind!r} unknown; allowed values: {OPTIMIZERS}")
+
+
+def global_batch(model_name: str, step: int, global_size: int, dtype: torch.dtype):
+    """The fixed global batch of ``step`` (identical on every process)."""
+    return make_batch(model_name, global_size, seed=1000 + step, dtype=dtype)
+
+
+def train_reference(model: nn.Module, model_name: str, opt_kind: str, steps: int, global_size: int,
+                    main_dtype: Optional[torch.dtype] = None, lr: float = 1e-2
+                    ) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+    """Train ``model`` on the full batch; return per-step losses and final (main) params by name."""
+    compute_dtype = next(model.parameters()).dtype
+    named = list(model.named_parameters())
+    separate = main_dtype is not None and main_dtype != compute_dtype
+    masters = [(n, nn.Parameter(p.detach().to(main_dtype), requires_grad=p.requires_grad))
+               for n, p in named] if separate else named
+    opt = make_optimizer(opt_kind, masters, lr=lr)
+    losses: List[float] = []
+    for step in range(steps):
+        if separate:
+            with torch.no_grad():
+                for (_, p), (_, m) in zip(named, masters):
+                    p.copy_(m)
+        inputs, target = global_batch(model_name, step, global_size, compute_dtype)
+        loss = loss_fn(model_name)(model(*inputs), target)
+        loss.backward()
+        if separate:
+            for (_, p), (_, m) in zip(named, masters):
+                m.grad = None if p.grad is None else p.grad.to(main_dtype)
+                p.grad = None
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: m.detach().clone() for n, m in masters}
+
+
+def max_relative_error(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]
+                       ) -> Tuple[float, str]:
+    """Largest per-tensor ``||a - e|| / ||e||`` and the name where it occurs."""
+    worst, where = 0.0, ""
+    for name, e in expected.items():
+        a = actual[name].to(torch.float64)
+        e = e.to(torch.float64)
+        err = ((a - e).norm() / e.norm().clamp_min(1e-12)).item()
+        if err > worst:
+            worst, where = err, name
+    return worst, where

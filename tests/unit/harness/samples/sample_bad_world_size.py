@@ -1,0 +1,6 @@
+import pytest
+
+
+@pytest.mark.distributed(world_size=0)
+def test_zero(dist_env):
+    pass

@@ -1,0 +1,22 @@
+"""A 20-test 4-rank bucket runs in one set of processes and reports 20 results."""
+from __future__ import annotations
+
+from conftest import SampleRun, pid_alive
+
+
+def test_twenty_tests_one_set_of_processes(bucket20_run: SampleRun):
+    cases = bucket20_run.cases
+    assert bucket20_run.returncode == 0, bucket20_run.output[-3000:]
+    assert len(cases) == 20 and all(c.outcome == "passed" for c in cases.values())
+    per_test = [c.rank_props("pid") for c in cases.values()]
+    assert all(sorted(p) == [0, 1, 2, 3] for p in per_test)
+    assert all(p == per_test[0] for p in per_test), "rank pids changed within the bucket"
+    assert len(set(per_test[0].values())) == 4
+    assert all(c.prop("controller_pid") for c in cases.values())  # one controller, same on all ranks
+    assert all(c.prop(f"rank{r}") == "passed" for c in cases.values() for r in range(4))
+
+
+def test_bucket_processes_gone_after_session(bucket20_run: SampleRun):
+    pids = bucket20_run.all_rank_pids()
+    assert len(pids) == 4
+    assert [p for p in pids if pid_alive(p)] == []

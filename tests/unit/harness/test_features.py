@@ -1,0 +1,52 @@
+"""Fixtures, parametrisation, skip/xfail, requirement markers and pytest-forked inside the harness."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import SampleRun, run_samples
+
+
+@pytest.fixture(scope="module")
+def features_run(tmp_path_factory) -> SampleRun:
+    return run_samples(tmp_path_factory.mktemp("features"), "sample_fixtures.py", "sample_requirements.py",
+                       "sample_forked.py")
+
+
+def test_fixture_and_param_cases_pass(features_run: SampleRun):
+    expected_pass = [n for n in features_run.cases if n.startswith(("test_shared", "test_module", "test_parametrized",
+                                                                   "test_env", "test_monkeypatch", "test_session_shared",
+                                                                   "test_plain", "test_has_json",
+                                                                   "test_forked_ok", "test_distributed_after_forked"))]
+    assert len(expected_pass) == 9 + 2 + 1 + 2 + 1 + 1 + 2 + 1, expected_pass
+    bad = {n: features_run.cases[n].text[:1500] for n in expected_pass if features_run.cases[n].outcome != "passed"}
+    assert bad == {}
+
+
+def test_skip_xfail_and_disagreement(features_run: SampleRun):
+    cases = features_run.cases
+    assert cases["test_skip_everywhere"].outcome == "skipped"
+    assert "skipped on every rank" in cases["test_skip_everywhere"].message
+    assert cases["test_xfail"].outcome == "skipped"  # junit records xfail as skipped
+    mixed = cases["test_skip_on_one_rank_only"]
+    assert mixed.outcome == "failed" and "rank 1=skipped" in mixed.message
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("test_needs_cuda", "CUDA (no GPU visible)"),
+    ("test_needs_hopper", "GPU architecture sm90 (compute capability >= 9.0)"),
+    ("test_needs_te", "Python module 'transformer_engine'"),
+])
+def test_requirement_skips_name_what_is_missing(features_run: SampleRun, name, reason):
+    case = features_run.cases[name]
+    assert case.outcome == "skipped" and reason in case.message, case.message
+
+
+def test_forked_crash_reported_by_pytest_forked(features_run: SampleRun):
+    case = features_run.cases["test_forked_crash"]
+    assert case.outcome == "failed" and "SIGSEGV" in (case.message + case.text)
+
+
+def test_force_cpu_env_names_the_reason(tmp_path):
+    run = run_samples(tmp_path, "sample_requirements.py", env={"HARNESS_FORCE_CPU": "1"}, timeout=300)
+    assert "CPU backend forced" in run.cases["test_needs_cuda"].message
+    assert run.cases["test_has_json"].outcome == "passed"
