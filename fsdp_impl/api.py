@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .buffers import ParamAndGradBuffer
-from .device import pick_device
+from .device import CommStreams, pick_device
 from .discovery import UnitSpec, assign_params, find_unit_modules, resolve_unit_classes
 from .engine import FSDPEngine
 from .hooks import register_hooks
@@ -126,8 +126,9 @@ def fully_shard_model(
         raise ValueError("module is already wrapped by fully_shard")
     found = find_unit_modules(module, classes)
     groups = assign_params(module, [name for name, _ in found])
+    device = pick_device(mesh)
     ctx = UnitContext(strategy, shard_mesh, shard_mesh.get_group(), shard_mesh.get_local_rank(),
-                      shard_mesh.size(), pick_device(mesh), mixed_precision_policy)
+                      shard_mesh.size(), device, mixed_precision_policy, CommStreams(device))
     names = [name for name, _ in found] + [""]
     all_units = [FSDPUnit(name or "<root>", group, ctx) for name, group in zip(names, groups)]
     unit_modules = [m for _, m in found]
@@ -169,6 +170,9 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: A
                     raise ValueError(f"optimizer param group {gi} holds a parameter of shape "
                                      f"{tuple(p.shape)} that is not a parameter of module; the "
                                      "optimizer's params must be the model's")
+    if check_decoupled_grad_consistency is not None:  # fail before anything is wrapped
+        _check_bool("use_decoupled_grad", kwargs.get("use_decoupled_grad", False))
+        check_decoupled_grad_consistency(kwargs.get("use_decoupled_grad", False), optimizer)
     model = fully_shard_model(module, **kwargs)
     remap_optimizer_params(optimizer, _param_mapping(model))
     return model, fully_shard_optimizer(optimizer)

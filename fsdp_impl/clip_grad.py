@@ -35,7 +35,7 @@ class _ReduceGroup:
 
     mesh: Any
     shard_dims: tuple[int, ...]
-    locals: list[torch.Tensor] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
 
 
 def _resolve(
@@ -106,7 +106,7 @@ def _group_grads(params: list[torch.Tensor], use_decoupled: bool) -> list[_Reduc
             mesh, shard_dims = None, ()
         for group in groups:
             if group.mesh == mesh and group.shard_dims == shard_dims:
-                group.locals.append(local_tensor(grad))
+                group.tensors.append(local_tensor(grad))
                 break
         else:
             groups.append(_ReduceGroup(mesh, shard_dims, [local_tensor(grad)]))
@@ -115,23 +115,24 @@ def _group_grads(params: list[torch.Tensor], use_decoupled: bool) -> list[_Reduc
 
 def _acc_dtype(groups: list[_ReduceGroup]) -> torch.dtype:
     """fp64 if any gradient is fp64, else fp32 (low-precision grads are summed in fp32)."""
-    wide = any(t.dtype == torch.float64 for g in groups for t in g.locals)
+    wide = any(t.dtype == torch.float64 for g in groups for t in g.tensors)
     return torch.float64 if wide else torch.float32
 
 
 def _local_partial(tensors: list[torch.Tensor], norm_type: float, dtype: torch.dtype) -> torch.Tensor:
-    """``sum |g|^p`` (or ``max |g|``) over local tensors; 0 for empty shards."""
+    """``sum |g|^p`` (or ``max |g|``) over local tensors; 0 for empty shards.
+
+    Empty shards are left out (they contribute 0, and the inf norm rejects empty input) but the
+    partial still exists, so ranks holding only empty shards join the collectives.
+    """
     device = tensors[0].device
-    partial = torch.zeros((), dtype=dtype, device=device)
-    for tensor in tensors:
-        if tensor.numel() == 0:
-            continue  # empty shard: contributes 0, and vector_norm(inf) rejects empty input
-        norm = torch.linalg.vector_norm(tensor, norm_type, dtype=dtype)
-        if math.isinf(norm_type):
-            partial = torch.maximum(partial, norm)
-        else:
-            partial = partial + norm**norm_type
-    return partial
+    nonempty = [t for t in tensors if t.numel() > 0]
+    if not nonempty:
+        return torch.zeros((), dtype=dtype, device=device)
+    norms = torch.stack([n.to(device) for n in torch._foreach_norm(nonempty, norm_type, dtype=dtype)])
+    if math.isinf(norm_type):
+        return norms.max()
+    return (norms**norm_type).sum()
 
 
 def _reduce(partial: torch.Tensor, group: _ReduceGroup, norm_type: float) -> torch.Tensor:
@@ -147,7 +148,7 @@ def _total_norm(groups: list[_ReduceGroup], norm_type: float) -> torch.Tensor:
     dtype = _acc_dtype(groups)
     total: torch.Tensor | None = None
     for group in groups:
-        reduced = _reduce(_local_partial(group.locals, norm_type, dtype), group, norm_type)
+        reduced = _reduce(_local_partial(group.tensors, norm_type, dtype), group, norm_type)
         if total is None:
             total = reduced
         else:
@@ -192,8 +193,19 @@ def clip_grad_norm(
         warnings.warn(message + "; the gradients were left unscaled", RuntimeWarning, stacklevel=2)
         return total
     clip_coef = torch.clamp(max_norm / (total + _CLIP_EPS), max=1.0)
-    for group in groups:
-        for tensor in group.locals:
-            if tensor.numel():
-                tensor.mul_(clip_coef.to(device=tensor.device, dtype=tensor.dtype))
+    for tensors in _by_device_and_dtype([t for g in groups for t in g.tensors if t.numel() > 0]):
+        torch._foreach_mul_(tensors, clip_coef.to(device=tensors[0].device, dtype=tensors[0].dtype))
     return total
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Split ``tensors`` into same-device, same-dtype lists (what one foreach kernel accepts)."""
+    buckets: list[list[torch.Tensor]] = []
+    for tensor in tensors:
+        for bucket in buckets:
+            if bucket[0].device == tensor.device and bucket[0].dtype == tensor.dtype:
+                bucket.append(tensor)
+                break
+        else:
+            buckets.append([tensor])
+    return buckets

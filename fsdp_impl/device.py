@@ -52,13 +52,27 @@ class CommStream:
         event.record(self._stream)
         return event
 
-    @staticmethod
-    def wait(event: Optional["torch.cuda.Event"]) -> None:
+    def wait(self, event: Optional["torch.cuda.Event"]) -> None:
         """Make the current (compute) stream wait for ``event``; no-op on CPU."""
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def keep_alive(self, tensor: torch.Tensor) -> None:
-        """Tell the caching allocator ``tensor`` is used on the side stream."""
+        """``tensor`` (made on the compute stream) was used on the side stream: keep its memory
+        from being reused before the side stream is done with it."""
         if self._stream is not None:
             tensor.record_stream(self._stream)
+
+    def used_by_current(self, tensor: torch.Tensor) -> None:
+        """``tensor`` (made on the side stream) is consumed on the current stream."""
+        if self._stream is not None:
+            tensor.record_stream(torch.cuda.current_stream(self.device))
+
+
+class CommStreams:
+    """The two side streams of one model: parameter all-gathers and gradient reductions, so a
+    reduce-scatter never waits behind the next unit's prefetched all-gather."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.gather = CommStream(device)
+        self.reduce = CommStream(device)

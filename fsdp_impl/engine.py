@@ -33,6 +33,11 @@ class FSDPEngine:
         self.comm_dtype_override: Optional[torch.dtype] = None
         self._callback_queued = False
         self._stale: List[bool] = [True] * len(units)
+        # Non-root units in the order their forwards ran: this iteration's (for backward
+        # prefetch) and the previous one's (for forward prefetch). Identical on all ranks as long
+        # as the model's control flow is, which keeps the prefetch collectives in lockstep.
+        self._order: List[FSDPUnit] = []
+        self._prev_order: List[FSDPUnit] = []
 
     # ------------------------------------------------------------------- forward
     def comm_dtype(self, unit: FSDPUnit) -> torch.dtype:
@@ -54,8 +59,14 @@ class FSDPEngine:
             if zero3:  # a previous forward without backward left the root gathered: regather
                 unit.reshard()
             self._agree_on_stale_units()
+            if self._order:
+                self._prev_order = self._order
+            self._order = []
+        else:
+            self._order.append(unit)
         if zero3:
             unit.unshard()
+            self._prefetch_after(unit, self._prev_order, +1)
         elif self._stale[unit.index]:
             unit.refresh()
             self._stale[unit.index] = False
@@ -86,6 +97,17 @@ class FSDPEngine:
         self._ensure_callback()
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
             unit.unshard()
+            self._prefetch_after(unit, self._order, -1)
+
+    @staticmethod
+    def _prefetch_after(unit: FSDPUnit, order: List[FSDPUnit], step: int) -> None:
+        """ZeRO-3: start the all-gather of the unit that runs after ``unit`` (forward: next in
+        the previous forward order; backward: previous in this forward's order)."""
+        if unit not in order:
+            return
+        j = order.index(unit) + step
+        if 0 <= j < len(order):
+            order[j].prefetch()
 
     def grad_ready(self, unit: FSDPUnit, param: ManagedParam) -> None:
         """Post-accumulate-grad hook target: stash the grad; reduce when the unit is complete."""
@@ -107,12 +129,22 @@ class FSDPEngine:
 
     def install_grads(self) -> None:
         if self.report_nan:
-            bad = [name for u in self.units for name in u.nan_grad_names()]
+            bad = self._nan_grad_names()
             if bad:
                 raise RuntimeError(f"NaN found in the gradient of parameter(s) {bad} "
                                    "(report_nan_in_param_grad=True)")
         for unit in self.units:
             unit.install_grads(self.use_decoupled_grad)
+
+    def _nan_grad_names(self) -> List[str]:
+        """FQNs whose synced grad holds a NaN on *any* rank (one MAX all-reduce of per-param
+        flags), so every rank raises the same error instead of only those holding the shard."""
+        names = [p.fqn for u in self.units for p in u.trainable]
+        flags = torch.tensor([f for u in self.units for f in u.nan_grad_flags()], dtype=torch.int32,
+                             device=self.ctx.device)
+        if flags.numel():
+            comm.all_reduce_max(flags, self.ctx.group)
+        return [n for n, f in zip(names, flags.tolist()) if f]
 
     def zero_grad_buffers(self) -> None:
         for unit in self.units:

@@ -74,7 +74,10 @@ class FullyShardedModule(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules["module"], name)
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
 
 
 def reset_decoupled_grads(params: Any, set_to_none: bool) -> None:

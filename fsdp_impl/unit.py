@@ -16,9 +16,19 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import comm
 from .buffers import DataParallelBuffer, ParameterGroup, as_dtensor
+from .device import CommStreams
 from .param import ManagedParam
 from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
 from .sharding import FlatLayout, shard_row_range
+
+
+@dataclass
+class _Gather:
+    """An all-gather in flight: its output, the event that marks it done, the weights' version."""
+
+    gathered: torch.Tensor
+    event: Optional[object]
+    version: int
 
 
 @dataclass
@@ -32,6 +42,7 @@ class UnitContext:
     world: int  # size of the shard group
     device: torch.device
     policy: MixedPrecisionPolicy
+    streams: CommStreams
 
     @property
     def num_shards(self) -> int:
@@ -70,6 +81,8 @@ class FSDPUnit:
         self._accumulator: Optional[torch.Tensor] = None  # ZeRO-0/1 full-size unsynced grads
         self._pending: Optional[torch.Tensor] = None  # ZeRO-2/3 this backward's grads
         self._ready = 0
+        self._gather: Optional[_Gather] = None  # a prefetched all-gather not yet consumed
+        self.reduce_event: Optional[object] = None  # CUDA: marks the last grad reduction done
         self.post_backward_done = False
         self.is_unsharded = False
         self.synced_version = -1  # weight-buffer version the compute params were built from
@@ -112,41 +125,78 @@ class FSDPUnit:
         return self.version_signature() != self.synced_version
 
     def unshard(self) -> None:
-        """Make the full compute params valid (ZeRO-3: allocate and all-gather)."""
+        """Make the full compute params valid (ZeRO-3: allocate and all-gather, or finish a
+        prefetched all-gather)."""
         if self.is_unsharded:
             return
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
-            for p in self.params:
-                storage = p.unsharded.untyped_storage()
-                need = p.unsharded.numel() * p.unsharded.element_size()
-                if storage.size() != need:
-                    storage.resize_(need)
-        self.refresh()
+            if self._gather is None:
+                self.prefetch()
+            if self._gather is not None:
+                self._finish_gather(self._gather)
+                self._gather = None
+        else:
+            self.refresh()
         self.is_unsharded = True
 
+    def prefetch(self) -> None:
+        """ZeRO-3: allocate the compute storage and start the all-gather (on the gather stream
+        on CUDA) so it overlaps the compute of the unit before it."""
+        if (self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS or self.is_unsharded
+                or self._gather is not None or not self.params):
+            return
+        for p in self.params:
+            storage = p.unsharded.untyped_storage()
+            need = p.unsharded.numel() * p.unsharded.element_size()
+            if storage.size() != need:
+                storage.resize_(need)
+        self._gather = self._start_gather()
+
     def refresh(self) -> None:
-        """Rebuild the compute params from the main shards (one collective per unit)."""
+        """ZeRO-0/1/2: rebuild the persistent compute params from the main shards."""
         if not self.params:
             return
-        compute = self.dtypes.compute
-        local = self.weight.data if self.weight.dtype == compute else self.weight.data.to(compute)
+        if self.ctx.strategy != ShardingStrategy.NO_SHARD:
+            self._finish_gather(self._start_gather())
+            return
+        local = self.weight.data.to(self.dtypes.compute)
         with torch.no_grad():
-            if self.ctx.strategy == ShardingStrategy.NO_SHARD:
-                for i, p in enumerate(self.params):
-                    with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
-                        p.unsharded.copy_(self.weight.layout.local_view(local, i, 0))
-            else:
-                layout = self.weight.layout
-                gathered = torch.empty(layout.total_numel, dtype=compute, device=self.ctx.device)
-                comm.all_gather(gathered, local, self.ctx.group)
-                for i, p in enumerate(self.params):
-                    with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
-                        layout.unpack_full(gathered, i, p.unsharded)
+            for i, p in enumerate(self.params):
+                with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
+                    p.unsharded.copy_(self.weight.layout.local_view(local, i, 0))
         self.synced_version = self.version_signature()
+
+    def _start_gather(self) -> _Gather:
+        """One all-gather of the unit's shards, cast to the compute dtype, on the gather stream."""
+        stream = self.ctx.streams.gather
+        version = self.version_signature()
+        with stream.use():
+            compute = self.dtypes.compute
+            local = self.weight.data if self.weight.dtype == compute else self.weight.data.to(compute)
+            gathered = torch.empty(self.weight.layout.total_numel, dtype=compute, device=self.ctx.device)
+            comm.all_gather(gathered, local, self.ctx.group)
+        return _Gather(gathered, stream.record(), version)
+
+    def _finish_gather(self, gather: _Gather) -> None:
+        """Wait for the gather and copy each param out of it (on the compute stream)."""
+        stream = self.ctx.streams.gather
+        stream.wait(gather.event)
+        stream.used_by_current(gather.gathered)
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
+                    self.weight.layout.unpack_full(gather.gathered, i, p.unsharded)
+        self.synced_version = gather.version
 
     def reshard(self) -> None:
         """ZeRO-3: free the compute storage (autograd's saved references stay valid objects)."""
-        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and self.is_unsharded:
+        if self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+            return
+        if self._gather is not None:  # prefetched but never used
+            self.ctx.streams.gather.wait(self._gather.event)
+            self._gather = None
+            self._free_unsharded()
+        if self.is_unsharded:
             self._free_unsharded()
             self.is_unsharded = False
 
@@ -207,15 +257,22 @@ class FSDPUnit:
             self._accumulator.zero_()
         else:
             return
-        if strategy == ShardingStrategy.NO_SHARD:
-            comm.all_reduce_avg(full, group)
-            self.grad.data.add_(full)
-        else:
-            out = torch.empty(self.grad.layout.segment_numel, dtype=full.dtype, device=self.ctx.device)
-            comm.reduce_scatter_avg(out, full, group)
-            self.grad.data.add_(out)
+        stream = self.ctx.streams.reduce
+        with stream.use():
+            if strategy == ShardingStrategy.NO_SHARD:
+                comm.all_reduce_avg(full, group)
+                self.grad.data.add_(full)
+            else:
+                out = torch.empty(self.grad.layout.segment_numel, dtype=full.dtype, device=self.ctx.device)
+                comm.reduce_scatter_avg(out, full, group)
+                self.grad.data.add_(out)
+        stream.keep_alive(full)
+        self.reduce_event = stream.record()
 
     def end_backward(self) -> None:
+        """Reset the per-backward counters; the compute stream waits for this unit's reduction."""
+        self.ctx.streams.reduce.wait(self.reduce_event)
+        self.reduce_event = None
         self._ready = 0
         self.post_backward_done = False
 
@@ -248,8 +305,6 @@ class FSDPUnit:
         if self._accumulator is not None:
             self._accumulator.zero_()
 
-    def nan_grad_names(self) -> List[str]:
-        """FQNs of params whose local main-grad shard holds a NaN."""
-        if self.grad is None:
-            return []
-        return [p.fqn for p in self.trainable if torch.isnan(self.grad.local_view(p.grad_index)).any()]
+    def nan_grad_flags(self) -> List[bool]:
+        """Per trainable param: does this rank's main-grad shard hold a NaN?"""
+        return [bool(torch.isnan(self.grad.local_view(p.grad_index)).any()) for p in self.trainable]

@@ -215,8 +215,20 @@ class Controller:
         """Kill whatever is still running; called at unconfigure, on Ctrl-C and at interpreter exit."""
         self.close_active(graceful=False)
 
+    @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """Remember the items; under xdist loadgroup, undo the ``@group`` node-id suffix.
+
+        xdist appends the group to each node id so its scheduler can group them; the scheduler has
+        read the ids by now (worker collection report), and reports, JUnit names and ``--lf`` should
+        keep the real node ids.
+        """
         session.config.stash[ITEMS_KEY] = list(session.items)
+        if hasattr(session.config, "workerinput"):
+            for item in session.items:
+                orig = item.stash.get(ORIG_NODEID_KEY, None)
+                if orig is not None and item.nodeid != orig:
+                    item._nodeid = orig
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.shutdown()

@@ -10,19 +10,27 @@ concurrent acquirers cannot deadlock holding partial sets.
 
 GPU ids are indices into the devices the session sees (``CUDA_VISIBLE_DEVICES`` order);
 ``Lease.cuda_visible_devices`` maps them back to what a rank process should be given.
+Lock files are named after the physical device (the mask's entry), so sessions with
+different masks on one node still exclude each other exactly where they overlap.
 Linux/macOS only (``fcntl``), like the CUDA nodes it serves.
+
+Waiters poll; there is no queue, so a large request may wait while smaller ones keep
+the GPUs busy (it gets them once the smaller buckets drain). That costs throughput,
+never correctness: no GPU is shared, and nothing is held while waiting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 
 ENV_FAKE_GPUS = "HARNESS_FAKE_GPUS"
@@ -30,6 +38,7 @@ ENV_FORCE_CPU = "HARNESS_FORCE_CPU"
 ENV_LOCK_DIR = "HARNESS_LOCK_DIR"
 POLL_INTERVAL_S = 0.05
 _DIR_LOCK_NAME = "leaser.lock"
+_LOCK_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 class GpuLeaseError(RuntimeError):
@@ -93,7 +102,7 @@ def _torch_count() -> int:
         import torch
     except ImportError:
         return 0
-    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    return int(torch.cuda.device_count())  # 0 on a CPU-only build
 
 
 def visible_gpu_count(env: Mapping[str, str] | None = None) -> int:
@@ -120,9 +129,17 @@ def visible_gpu_count(env: Mapping[str, str] | None = None) -> int:
         return 0
     physical = _nvidia_smi_count()
     if physical is None:
-        physical = _torch_count()  # torch already honours CUDA_VISIBLE_DEVICES
-        return physical
+        return _torch_count()  # torch already honours CUDA_VISIBLE_DEVICES
     return physical if entries is None else min(physical, len(entries))
+
+
+def _unlock_all(fds: list[int]) -> None:
+    """Drop the flocks and close the descriptors (closing alone would also unlock)."""
+    for fd in fds:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
 
 class Lease:
@@ -137,11 +154,7 @@ class Lease:
         """Free the GPUs; safe to call more than once."""
         fds, self._fds = self._fds, []
         self.released = True
-        for fd in fds:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                os.close(fd)
+        _unlock_all(fds)
 
     def cuda_visible_devices(self, env: Mapping[str, str] | None = None) -> str:
         """The ``CUDA_VISIBLE_DEVICES`` value for a rank process using this lease."""
@@ -164,22 +177,44 @@ class Lease:
 class GpuLeaser:
     """Hands out all-or-nothing leases of GPU indices ``0..total_gpus-1`` on this node."""
 
-    def __init__(self, lock_dir: pathlib.Path | None = None, total_gpus: int | None = None) -> None:
+    def __init__(self, lock_dir: pathlib.Path | None = None, total_gpus: int | None = None,
+                 device_names: Sequence[str] | None = None) -> None:
+        """``device_names[i]`` names the physical GPU behind index i in the lock files.
+
+        By default the ``CUDA_VISIBLE_DEVICES`` entries (when they cover every index), so
+        two sessions on one node with different masks lock the same physical GPU under
+        the same name, and sessions with disjoint masks never wait for each other.
+        """
         total = visible_gpu_count() if total_gpus is None else total_gpus
-        if not isinstance(total, int) or total < 0:
+        if not isinstance(total, int) or isinstance(total, bool) or total < 0:
             raise ValueError(f"total_gpus must be a non-negative int, got {total!r}")
+        if device_names is None:
+            entries = visible_device_entries()
+            device_names = entries[:total] if entries and len(entries) >= total else None
+        names = [str(i) for i in range(total)] if device_names is None else list(device_names)
+        if len(names) != total or len(set(names)) != total:
+            raise ValueError(f"device_names must be {total} distinct names, got {names!r}")
         self.lock_dir = pathlib.Path(lock_dir) if lock_dir is not None else default_lock_dir()
         self.total_gpus = total
+        self._lock_names = [_LOCK_NAME_UNSAFE.sub("_", name) for name in names]
         self.lock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def _gpu_path(self, gpu_id: int) -> pathlib.Path:
-        return self.lock_dir / f"gpu{gpu_id}.lock"
+        return self.lock_dir / f"gpu-{self._lock_names[gpu_id]}.lock"
 
-    def _try_take(self, n: int) -> Lease | None:
-        """Under the directory lock, take n free GPUs (lowest ids first) or none."""
+    @contextlib.contextmanager
+    def _dir_lock(self) -> Iterator[None]:
+        """Serialise choosers (and holder probes) across every process of the node."""
         dir_fd = os.open(self.lock_dir / _DIR_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(dir_fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(dir_fd)  # closing drops the lock
+
+    def _try_take(self, n: int) -> Lease | None:
+        """Under the directory lock, take n free GPUs (lowest ids first) or none."""
+        with self._dir_lock():
             taken: list[tuple[int, int]] = []
             try:
                 for gpu_id in range(self.total_gpus):
@@ -192,34 +227,33 @@ class GpuLeaser:
                         os.close(fd)
                         continue
                     taken.append((gpu_id, fd))
-                if len(taken) == n:
-                    for _, fd in taken:  # who holds it, for timeout messages
-                        os.ftruncate(fd, 0)
-                        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-                    lease, taken = Lease([gid for gid, _ in taken], [fd for _, fd in taken]), []
-                    return lease
-                return None
+                if len(taken) < n:
+                    return None
+                for _, fd in taken:  # who holds it, for timeout messages
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                lease = Lease([gid for gid, _ in taken], [fd for _, fd in taken])
+                taken = []  # the lease owns them now
+                return lease
             finally:
-                Lease([], [fd for _, fd in taken]).release()  # all-or-nothing
-        finally:
-            os.close(dir_fd)  # closing drops the directory lock
+                _unlock_all([fd for _, fd in taken])  # all-or-nothing
 
     def holders(self) -> dict[int, str]:
         """GPU id -> pid recorded by its current holder (for error messages)."""
         found = {}
-        for gpu_id in range(self.total_gpus):
-            path = self._gpu_path(gpu_id)
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except FileNotFoundError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(fd, fcntl.LOCK_UN)  # free: nobody holds it
-            except BlockingIOError:
-                found[gpu_id] = path.read_text().strip() or "?"
-            finally:
-                os.close(fd)
+        with self._dir_lock():
+            for gpu_id in range(self.total_gpus):
+                path = self._gpu_path(gpu_id)
+                try:
+                    fd = os.open(path, os.O_RDWR)
+                except FileNotFoundError:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    found[gpu_id] = path.read_text().strip() or "?"
+                finally:
+                    os.close(fd)  # also drops the probe's lock when the GPU was free
         return found
 
     def acquire(self, n: int, timeout_s: float | None = None) -> Lease:

@@ -52,15 +52,33 @@ def run_mode() -> str:
     return "controller"
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_cmdline_main(config: pytest.Config) -> None:
-    """Keep each bucket on one xdist worker: default ``-n K`` to ``--dist loadgroup``."""
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config: pytest.Config) -> Generator[None, Any, Any]:
+    """Keep each bucket on one xdist worker: default ``-n K`` to ``--dist loadgroup``.
+
+    A wrapper, so it runs before xdist's own (tryfirst) hook turns an unset ``--dist`` into ``load``.
+    """
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "no" \
             and not getattr(config.option, "distload", False):
         config.option.dist = "loadgroup"
+    return (yield)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist controller: tell workers to group by ``xdist_group`` when we chose loadgroup for them.
+
+    Workers rebuild their options from the command line, so a ``--dist`` chosen by the wrapper above
+    would not reach them otherwise.
+    """
+    if getattr(node.config.option, "dist", None) == "loadgroup":
+        node.workerinput["harness_loadgroup"] = True
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and workerinput.get("harness_loadgroup"):
+        config.option.loadgroup = True
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     mode = run_mode()

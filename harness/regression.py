@@ -14,6 +14,8 @@ harness core copies into the reports it builds for distributed tests.
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import pytest
 
 from harness.junit_read import (
@@ -71,6 +73,14 @@ def regression_properties(item: pytest.Item) -> list[tuple[str, str]]:
     return props
 
 
+def _param_text(value: object) -> str:
+    """A readable matrix value: ``str()``, but a class or function by its name."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return str(value)
+    name = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
+    return name if isinstance(name, str) else str(value)
+
+
 def param_properties(item: pytest.Item) -> list[tuple[str, str]]:
     """``param:<name>`` properties from the item's parametrisation, in argument order."""
     callspec = getattr(item, "callspec", None)
@@ -78,7 +88,7 @@ def param_properties(item: pytest.Item) -> list[tuple[str, str]]:
         return []
     props = []
     for name, value in callspec.params.items():
-        text = str(value)
+        text = _param_text(value)
         if len(text) > MAX_PARAM_VALUE_CHARS:
             text = text[:MAX_PARAM_VALUE_CHARS - 3] + "..."
         props.append((f"{PARAM_PROPERTY_PREFIX}{name}", text))
@@ -86,7 +96,8 @@ def param_properties(item: pytest.Item) -> list[tuple[str, str]]:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object):
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str,
+                              obj: object) -> Generator[None, object, object]:
     """Turn a malformed ``regression`` marker into a collection error of its module."""
     result = yield
     made = result if isinstance(result, list) else [result]

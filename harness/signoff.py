@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import datetime
 import pathlib
+import re
 import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -239,28 +240,41 @@ def _cell_key(case: TestCase, with_run: bool) -> str:
     return f"{case.run}: {cell}" if with_run else cell
 
 
+def _natural(text: str) -> list[tuple[int, int, str]]:
+    """Sort key that puts ``2`` before ``10`` (world sizes, batch sizes)."""
+    return [(0, int(tok), "") if tok.isdigit() else (1, 0, tok)
+            for tok in re.split(r"(\d+)", text) if tok]
+
+
 def _matrix_section(cases: Sequence[TestCase]) -> list[str]:
-    axes: dict[str, set[str]] = defaultdict(set)
+    axes: dict[str, dict[str, list[TestCase]]] = defaultdict(lambda: defaultdict(list))
     for case in cases:
         for name, value in case.params:
-            axes[name].add(value)
+            axes[name][value].append(case)
         if not case.params and case.bracket_id is not None:
-            axes[UNNAMED_ID].add(case.bracket_id)
+            axes[UNNAMED_ID][case.bracket_id].append(case)
     runs = sorted({c.run for c in cases})
     lines = ["## Configuration matrix", ""]
     if len(runs) > 1:
         lines += [f"Runs: {', '.join(f'`{r}`' for r in runs)}", ""]
-    if axes:
-        lines += _table(["parameter", "values"],
-                        ([name, ", ".join(sorted(vals))] for name, vals in sorted(axes.items())))
-    else:
+    if not axes:
         lines.append("No parametrised tests.")
+    else:
+        lines += _table(["parameter", "values"],
+                        ([name, ", ".join(sorted(vals, key=_natural))]
+                         for name, vals in sorted(axes.items())))
+        lines += ["", "### Outcomes per parameter value", ""]
+        lines += _table(["parameter", "value", *COUNT_HEADERS],
+                        ([name, value, *Counts.of(group).row()]
+                         for name, vals in sorted(axes.items())
+                         for value, group in sorted(vals.items(), key=lambda kv: _natural(kv[0]))))
     cells: dict[str, list[TestCase]] = defaultdict(list)
     for case in cases:
         cells[_cell_key(case, len(runs) > 1)].append(case)
     lines += ["", "### Outcomes per matrix cell", ""]
     lines += _table(["cell", *COUNT_HEADERS],
-                    ([cell, *Counts.of(group).row()] for cell, group in sorted(cells.items())))
+                    ([cell, *Counts.of(group).row()]
+                     for cell, group in sorted(cells.items(), key=lambda kv: _natural(kv[0]))))
     return lines + [""]
 
 
@@ -366,7 +380,9 @@ def render_report(title: str, cases: Sequence[TestCase], rows: Sequence[Regressi
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="harness-signoff", description=__doc__.split("\n\n")[0],
+        prog="harness-signoff",
+        description="Turn JUnit XML from one or more test runs into a Markdown QA sign-off "
+                    "report with a PASS/FAIL verdict.",
         epilog="Exit status: 0 PASS, 1 FAIL, 2 bad input.")
     parser.add_argument("--junit", action="append", required=True, metavar="PATH",
                         help="JUnit XML file or directory of them (repeatable)")

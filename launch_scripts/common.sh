@@ -30,9 +30,16 @@ harness_gen_of_gpu() {
 # Print "<gen> <count>" for the GPUs on this node, or "cpu 0" when there are none.
 harness_detect_gpus() {
     local lines name cc gen first="" count=0
-    if ! command -v nvidia-smi >/dev/null 2>&1 ||
-        ! lines=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader 2>/dev/null) ||
-        [ -z "$lines" ]; then
+    if ! command -v nvidia-smi >/dev/null 2>&1; then
+        echo "cpu 0"
+        return 0
+    fi
+    # Drivers older than R510 do not know compute_cap: fall back to the name alone.
+    if ! lines=$(nvidia-smi --query-gpu=name,compute_cap --format=csv,noheader 2>/dev/null) &&
+        ! lines=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null); then
+        lines=""
+    fi
+    if [ -z "$lines" ]; then
         echo "cpu 0"
         return 0
     fi
@@ -104,6 +111,12 @@ harness_init() {
     harness_check_gpus "$gen" "$count" || return $?
     export HARNESS_GEN=$gen HARNESS_GPU_COUNT=$count
     export HARNESS_XDIST_WORKERS=${HARNESS_XDIST_WORKERS:-$workers}
+    case "$HARNESS_XDIST_WORKERS" in
+        '' | *[!0-9]*)
+            harness_log "ERROR: HARNESS_XDIST_WORKERS must be a non-negative integer (got '$HARNESS_XDIST_WORKERS')"
+            return 2
+            ;;
+    esac
     HARNESS_SCRIPT_NAME=$(basename "$script" .sh)
     export HARNESS_TIER=${HARNESS_SCRIPT_NAME%%_*}
     harness_export_caps "$gen"

@@ -32,17 +32,22 @@ def local_slice(t: torch.Tensor, rank: int, per_rank: int) -> torch.Tensor:
     return t[rank * per_rank:(rank + 1) * per_rank]
 
 
-def train_fsdp(cfg: RunConfig, device: torch.device, **fsdp_kwargs
-               ) -> Tuple[List[float], Dict[str, torch.Tensor], "torch.nn.Module"]:
-    """Train with FSDP; return the global per-step losses, full final params and the model."""
+def train_fsdp(cfg: RunConfig, device: torch.device, model: Optional[torch.nn.Module] = None,
+               **fsdp_kwargs) -> Tuple[List[float], Dict[str, torch.Tensor], "torch.nn.Module"]:
+    """Train with FSDP; return the global per-step losses, full final params and the model.
+
+    ``model`` overrides the freshly built ``cfg.model`` (e.g. with frozen params); extra keyword
+    arguments go to ``fully_shard``.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(cfg.model, cfg.dtype, cfg.seed, device="meta" if cfg.meta_init else None)
+    if model is None:
+        model = build_model(cfg.model, cfg.dtype, cfg.seed, device="meta" if cfg.meta_init else None)
     opt = make_optimizer(cfg.optimizer, model.named_parameters(), lr=cfg.lr)
-    fsdp_model, opt = fsdp_impl.fully_shard(
-        model, opt, fsdp_unit_modules=list(unit_classes(cfg.model)), zero_dp_strategy=cfg.strategy,
-        init_model_with_meta_device=cfg.meta_init,
-        mixed_precision_policy=fsdp_impl.MixedPrecisionPolicy(main_params_dtype=cfg.main_dtype),
-        **fsdp_kwargs)
+    kwargs = dict(fsdp_unit_modules=list(unit_classes(cfg.model)), zero_dp_strategy=cfg.strategy,
+                  init_model_with_meta_device=cfg.meta_init,
+                  mixed_precision_policy=fsdp_impl.MixedPrecisionPolicy(main_params_dtype=cfg.main_dtype))
+    kwargs.update(fsdp_kwargs)
+    fsdp_model, opt = fsdp_impl.fully_shard(model, opt, **kwargs)
     micro = cfg.local_batch // cfg.microbatches
     losses: List[float] = []
     for step in range(cfg.steps):

@@ -171,3 +171,30 @@ def test_sigkilled_holder_frees_its_gpus(tmp_path, workers) -> None:
     holder.wait(timeout=WAIT_S)
     with leaser.acquire(4, timeout_s=WAIT_S) as lease:
         assert lease.gpu_ids == [0, 1, 2, 3]
+
+
+def test_lock_files_name_physical_gpus_across_masks(tmp_path) -> None:
+    """Sessions with masks 0,1 and 1,2 share physical GPU 1; masks 0,1 and 2,3 share nothing."""
+    first = GpuLeaser(tmp_path, 2, device_names=["0", "1"])
+    overlapping = GpuLeaser(tmp_path, 2, device_names=["1", "2"])
+    disjoint = GpuLeaser(tmp_path, 2, device_names=["2", "3"])
+    with first.acquire(2, timeout_s=0):
+        with pytest.raises(LeaseTimeoutError):
+            overlapping.acquire(2, timeout_s=0.1)
+        with overlapping.acquire(1, timeout_s=0) as one:
+            assert one.gpu_ids == [1]  # index 1 of its mask: physical GPU 2
+    with disjoint.acquire(2, timeout_s=0) as other, first.acquire(2, timeout_s=0) as mine:
+        assert other.gpu_ids == mine.gpu_ids == [0, 1]
+    with pytest.raises(ValueError, match="device_names must be 2 distinct names"):
+        GpuLeaser(tmp_path, 2, device_names=["0", "0"])
+
+
+def test_default_device_names_come_from_cuda_visible_devices(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa/1,3")
+    a = GpuLeaser(tmp_path, 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    b = GpuLeaser(tmp_path, 1)
+    with a.acquire(2, timeout_s=0):
+        with pytest.raises(LeaseTimeoutError):
+            b.acquire(1, timeout_s=0.1)  # physical GPU 3 is held through a's index 1
+    assert sorted(p.name for p in tmp_path.glob("gpu-*.lock")) == ["gpu-3.lock", "gpu-GPU-aa_1.lock"]

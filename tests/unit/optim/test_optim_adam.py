@@ -289,3 +289,72 @@ def test_no_warning_in_a_normal_step() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _run(opt, params, 2)
+
+
+def test_dcp_save_load_resumes_exactly(one_rank_mesh: Any, tmp_path: Any) -> None:
+    """torch.distributed.checkpoint saves our state (DTensor bf16 moments, step) and a fresh
+    optimizer resumed from it continues exactly like the uninterrupted one."""
+    import torch.distributed.checkpoint as dcp
+
+    def make(params: list[torch.nn.Parameter]) -> AdamW:
+        return AdamW(params, lr=LR, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+
+    def run(pairs: list[tuple[AdamW, list[torch.nn.Parameter]]], steps: range) -> None:
+        for step in steps:
+            for opt_, params_ in pairs:
+                for p, g in zip(params_, _grads(params_, step)):
+                    p.grad = None if g is None else distribute_tensor(g, one_rank_mesh, [Shard(0)])
+                opt_.step()
+
+    params = _dtensor_params(one_rank_mesh, [Shard(0)])
+    opt = make(params)
+    run([(opt, params)], range(2))
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=str(tmp_path / "ckpt"))
+    template = copy.deepcopy(opt.state_dict())
+    for entry in template["state"].values():
+        for value in entry.values():
+            value.zero_()
+    dcp.load({"optim": template}, checkpoint_id=str(tmp_path / "ckpt"))
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = make(resumed_params)
+    resumed.load_state_dict(template)
+    run([(opt, params), (resumed, resumed_params)], range(2, STEPS))
+    state = resumed.state[resumed_params[0]]
+    assert isinstance(state["exp_avg"], DTensor) and state["exp_avg"].dtype == torch.bfloat16
+    _assert_params_close(resumed_params, [p.full_tensor() for p in params], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for CUDA-graph capture")
+def test_capturable_step_replays_in_cuda_graph() -> None:
+    """capturable=True: one captured step, replayed with new decoupled grads copied into the
+    same tensor, trains exactly like eager torch.optim.AdamW (the step counter lives on the GPU)."""
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(32, generator=gen)
+    grads = [torch.randn(32, generator=gen).to(device) for _ in range(4)]
+    param = torch.nn.Parameter(start.clone().to(device))
+    param.decoupled_grad = torch.zeros(32, device=device)
+    opt = AdamW([param], lr=LR, capturable=True, use_decoupled_grad=True)
+    ref_param = torch.nn.Parameter(start.clone().to(device))
+    ref = torch.optim.AdamW([ref_param], lr=LR)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up step creates the state outside the capture
+        param.decoupled_grad.copy_(grads[0])
+        opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    ref_param.grad = grads[0].clone()
+    ref.step()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for grad in grads[1:]:
+        param.decoupled_grad.copy_(grad)
+        graph.replay()
+        ref_param.grad = grad.clone()
+        ref.step()
+    torch.cuda.synchronize()
+    assert opt.state[param]["step"].item() == len(grads)
+    torch.testing.assert_close(param.detach(), ref_param.detach(), rtol=1e-5, atol=1e-6)

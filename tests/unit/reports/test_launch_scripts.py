@@ -188,3 +188,31 @@ def test_run_tier_usage_errors(tmp_path, args, message) -> None:
     proc = run_script(SCRIPTS / "run_tier.sh", fake_node(tmp_path, None), *args)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_run_tier_runs_each_active_script_and_fails_without_junit(tmp_path) -> None:
+    """Dry-run scripts write no XML: run_tier must notice that and exit 1, not PASS."""
+    proc = run_script(SCRIPTS / "run_tier.sh", fake_node(tmp_path, None), "L0")
+    assert proc.returncode == 1, proc.stderr
+    assert "detected generation: cpu (0 GPU(s))" in proc.stderr
+    ran = re.findall(r"=== (launch_scripts/\S+)", proc.stderr)
+    assert ran == ["launch_scripts/cpu/active/L0_functional.sh", "launch_scripts/cpu/active/L0_unit.sh"]
+    assert "ERROR: no JUnit XML was produced" in proc.stderr
+    assert "tier L0 on cpu: FAIL" in proc.stderr
+
+
+def test_bad_worker_count_is_rejected_by_name(tmp_path) -> None:
+    env = dict(fake_node(tmp_path, None), HARNESS_XDIST_WORKERS="four")
+    proc = run_script(SCRIPTS / "cpu/active/L0_unit.sh", env)
+    assert proc.returncode == 2
+    assert "HARNESS_XDIST_WORKERS must be a non-negative integer (got 'four')" in proc.stderr
+
+
+def test_old_driver_without_compute_cap_still_detects_generation(tmp_path) -> None:
+    env = fake_node(tmp_path, None)
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.write_text('#!/bin/sh\ncase "$*" in *compute_cap*) echo "Field not valid" >&2; exit 2;; esac\n'
+                   'i=0; while [ $i -lt 8 ]; do echo "NVIDIA H100 80GB HBM3"; i=$((i+1)); done\n')
+    proc = run_script(SCRIPTS / "h100/active/L0_unit.sh", env)
+    assert proc.returncode == 0, proc.stderr
+    assert "h100/L0_unit: FP8_MATMUL=1 MXFP8=0 GPUs=8" in proc.stderr

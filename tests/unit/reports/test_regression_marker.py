@@ -36,6 +36,14 @@ GOOD_TESTS = textwrap.dedent('''
 
     def test_plain():
         pytest.skip("requires CUDA")
+
+    class Transformer:
+        pass
+
+    @pytest.mark.parametrize("model", [Transformer, len])
+    @pytest.mark.parametrize("lr", [0.5, None])
+    def test_values(model, lr):
+        pass
 ''')
 
 
@@ -96,13 +104,17 @@ def test_properties_in_junit_and_report(tmp_path) -> None:
         ("regression", "decoupled-grad-flag-mismatch-silent-no-op"),
         ("regression_description", "")]
     assert props["test_plain"] == []
+    assert props["test_values[None-Transformer]"] == [("param:lr", "None"), ("param:model", "Transformer")]
+    assert props["test_values[0.5-len]"] == [("param:lr", "0.5"), ("param:model", "len")]
 
     cases = {c.test_id: c for c in read_junit([tmp_path / "run.xml"])}
     assert set(cases) == {
         *(f"tests/functional/test_fsdp_bugs.py::test_clip[{d}-{w}]"
           for d in ("bf16", "fp32") for w in (2, 4)),
         "tests/functional/test_fsdp_bugs.py::TestBuffers::test_flags",
-        "tests/functional/test_fsdp_bugs.py::test_plain"}
+        "tests/functional/test_fsdp_bugs.py::test_plain",
+        *(f"tests/functional/test_fsdp_bugs.py::test_values[{lr}-{m}]"
+          for lr in ("0.5", "None") for m in ("Transformer", "len"))}
     rows = {r.bug_id: r for r in signoff.regression_rows(list(cases.values()), {})}
     assert rows["decoupled-grad-none-segfault"].status == "FAILED"
     assert rows["decoupled-grad-flag-mismatch-silent-no-op"].status == "passed"

@@ -86,6 +86,11 @@ def test_matrix_axes_and_cells(capsys) -> None:
     axes = {r["parameter"]: r["values"] for r in table_rows(report, "## Configuration matrix")}
     assert axes == {"dtype": "bf16, fp8", "strategy": "no_shard, optim_grads_params",
                     "world_size": "2, 4"}
+    per_value = {(r["parameter"], r["value"]): r
+                 for r in table_rows(report, "### Outcomes per parameter value")}
+    assert (per_value[("world_size", "4")]["tests"], per_value[("world_size", "4")]["failed"]) == ("2", "1")
+    assert per_value[("strategy", "no_shard")]["passed"] == "2"
+    assert per_value[("dtype", "fp8")]["skipped"] == "1"
     cells = {r["cell"]: r for r in table_rows(report, "### Outcomes per matrix cell")}
     bad = cells["strategy=optim_grads_params, world_size=4"]
     assert (bad["tests"], bad["passed"], bad["failed"]) == ("1", "0", "1")
@@ -337,3 +342,59 @@ def test_module_entry_point_exit_codes(tmp_path) -> None:
                                "--output", str(tmp_path / "r.md")],
                               cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == expected, proc.stderr
+
+
+def test_several_runs_get_a_per_run_table_and_prefixed_cells(tmp_path, capsys) -> None:
+    for gen, src in (("cpu", ALL_GREEN), ("h100", CURRENT)):
+        (tmp_path / gen).mkdir()
+        shutil.copy(src, tmp_path / gen / "L0_unit.xml")
+    code, report, _ = run_main(["--junit", tmp_path, "--require-regressions", KNOWN_BUGS], capsys)
+    assert code == signoff.EXIT_FAIL
+    runs = {r["run"]: r for r in table_rows(report, "### Per run")}
+    assert (runs["cpu/L0_unit"]["tests"], runs["cpu/L0_unit"]["failed"]) == ("4", "0")
+    assert (runs["h100/L0_unit"]["tests"], runs["h100/L0_unit"]["failed"]) == ("13", "2")
+    cells = {r["cell"]: r for r in table_rows(report, "### Outcomes per matrix cell")}
+    assert cells["h100/L0_unit: dtype=bf16"]["failed"] == "1"
+    assert cells["cpu/L0_unit: dtype=bf16"]["passed"] == "1"
+    rows = {r["bug id"]: r for r in table_rows(report, "## Known bugs and their regression tests")}
+    # one run's failure fails the bug, whatever the other run did
+    assert rows["`decoupled-grad-flag-mismatch-silent-no-op`"]["status"] == "FAILED"
+    assert rows["`decoupled-grad-flag-mismatch-silent-no-op`"]["tests"] == "1 passed, 1 failed, 2 skipped"
+
+
+def test_console_script_when_installed(tmp_path) -> None:
+    exe = shutil.which("harness-signoff") or shutil.which(
+        "harness-signoff", path=str(pathlib.Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("harness-signoff console script not installed (pip install -e .)")
+    proc = subprocess.run([exe, "--junit", str(ALL_GREEN), "--output", str(tmp_path / "r.md")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "## Verdict: PASS" in (tmp_path / "r.md").read_text()
+
+
+def test_xunit1_file_attribute_disambiguates_module_and_class(tmp_path) -> None:
+    xml = tmp_path / "x1.xml"
+    xml.write_text('<testsuites><testsuite name="pytest">'
+                   '<testcase classname="tests.unit.Test_upper.TestA" name="test_b" '
+                   'file="tests/unit/Test_upper.py" line="3"/>'
+                   '<testcase classname="tests.unit.Test_upper.TestA" name="test_c"/>'
+                   "</testsuite></testsuites>")
+    with_file, without = read_junit([xml])
+    assert with_file.test_id == "tests/unit/Test_upper.py::TestA::test_b"
+    # without the attribute an upper-case module name reads as a class (documented limit)
+    assert without.test_id == "tests/unit.py::Test_upper::TestA::test_c"
+
+
+def test_numeric_values_sort_naturally(tmp_path, capsys) -> None:
+    xml = tmp_path / "n.xml"
+    cases = "".join(
+        f'<testcase classname="tests.f.test_w" name="test_w[{w}]"><properties>'
+        f'<property name="param:world_size" value="{w}"/></properties></testcase>'
+        for w in (16, 2, 8, 1))
+    xml.write_text(f'<testsuites><testsuite name="pytest">{cases}</testsuite></testsuites>')
+    _, report, _ = run_main(["--junit", xml], capsys)
+    axes = {r["parameter"]: r["values"] for r in table_rows(report, "## Configuration matrix")}
+    assert axes == {"world_size": "1, 2, 8, 16"}
+    cells = [r["cell"] for r in table_rows(report, "### Outcomes per matrix cell")]
+    assert cells == ["world_size=1", "world_size=2", "world_size=8", "world_size=16"]

@@ -13,6 +13,7 @@ def meet(me: str, other: str, where: pathlib.Path, record_property, dist_env) ->
     record_property("store_port", dist_env.store_port)
     record_property("controller_pid", os.getppid())
     record_property("pid", os.getpid())
+    record_property("cuda_visible_devices", os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
     (where / f"{me}-rank{dist_env.rank}").write_text(str(dist_env.store_port))
     deadline = time.monotonic() + 120
     while not all((where / f"{other}-rank{r}").exists() for r in range(2)):

@@ -1,0 +1,183 @@
+"""Bad input to fully_shard fails early with a message naming the argument and allowed values;
+features of later issues raise NotImplementedError instead of being silently ignored."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_impl import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
+from tests.functional.common.models import build_model, unit_classes
+
+pytestmark = pytest.mark.distributed(world_size=2, timeout=300)
+
+
+def _cnn_and_adam():
+    model = build_model("cnn")
+    return model, torch.optim.Adam(model.parameters())
+
+
+def _destroy(mesh: DeviceMesh, names) -> None:
+    for name in names:
+        group = mesh[name].get_group() if name else mesh.get_group()
+        if group != dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("value", ["zero3", 7, "full_shard"])
+def test_unknown_strategy(value, dist_env) -> None:
+    with pytest.raises(ValueError, match=rf"zero_dp_strategy={value!r} is not a valid strategy; allowed "
+                                         r"values: 'no_shard'/0, 'optim'/1, 'optim_grads'/2, 'optim_grads_params'/3"):
+        fully_shard(*_cnn_and_adam(), zero_dp_strategy=value)
+
+
+def test_unknown_outer_strategy(dist_env) -> None:
+    with pytest.raises(ValueError, match=r"outer_dp_sharding_strategy=2 .*allowed values: 'no_shard'/0, 'optim'/1"):
+        fully_shard(*_cnn_and_adam(), outer_dp_sharding_strategy=2)
+
+
+@pytest.mark.parametrize("inner", ["no_shard", "optim", "optim_grads"])
+def test_outer_optim_needs_inner_3(inner, dist_env) -> None:
+    with pytest.raises(ValueError, match=r"outer_dp_sharding_strategy='optim'/1 requires "
+                                         r"zero_dp_strategy='optim_grads_params'/3"):
+        fully_shard(*_cnn_and_adam(), zero_dp_strategy=inner, outer_dp_sharding_strategy="optim")
+
+
+def test_mesh_dim_names_that_do_not_exist(dist_env) -> None:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    with pytest.raises(ValueError, match=r"dp_shard_dim='dp' is not a dim of the device mesh; allowed values: \['dp_shard'\]"):
+        fully_shard(*_cnn_and_adam(), device_mesh=mesh, dp_shard_dim="dp")
+    with pytest.raises(ValueError, match=r"tp_dim='tp' is not a dim"):
+        fully_shard(*_cnn_and_adam(), device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp")
+    with pytest.raises(ValueError, match=r"dp_outer_dim='dp_outer' is not a dim"):
+        fully_shard(*_cnn_and_adam(), device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
+    with pytest.raises(ValueError, match=r"dp_shard_dim='dp' given without a device_mesh"):
+        fully_shard(*_cnn_and_adam(), dp_shard_dim="dp")
+
+
+def test_mesh_that_does_not_match_the_world(dist_env) -> None:
+    mesh = DeviceMesh("cpu", torch.tensor([0]), mesh_dim_names=("dp_shard",))
+    try:
+        with pytest.raises(ValueError, match=r"device_mesh has 1 ranks .* but the world has 2"):
+            fully_shard(*_cnn_and_adam(), device_mesh=mesh, dp_shard_dim="dp_shard")
+    finally:
+        if dist_env.rank == 0:
+            _destroy(mesh, ["dp_shard"])
+
+
+def test_multi_dim_mesh_needs_dp_shard_dim(dist_env) -> None:
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp_shard", "tp"))
+    try:
+        with pytest.raises(ValueError, match=r"dp_shard_dim must name .*allowed values: \['dp_shard', 'tp'\]"):
+            fully_shard(*_cnn_and_adam(), device_mesh=mesh)
+    finally:
+        _destroy(mesh, ["dp_shard", "tp"])
+
+
+@pytest.mark.parametrize("spec,match", [
+    ([nn.GRU], r"fsdp_unit_modules=\['GRU'\] matched no submodule of SmallCNN"),
+    (["torch.nn.LSTM"], r"fsdp_unit_modules=\['LSTM'\] matched no submodule"),
+    (["no_such_pkg.Layer"], r"fsdp_unit_modules entry 'no_such_pkg.Layer' cannot be imported"),
+    (["Linear"], r"must be an nn.Module subclass or an import path string"),
+    ([int], r"must be an nn.Module subclass"),
+])
+def test_unit_classes_not_found(spec, match, dist_env) -> None:
+    with pytest.raises(ValueError, match=match):
+        fully_shard(*_cnn_and_adam(), fsdp_unit_modules=spec)
+
+
+def test_unit_classes_as_import_path_strings(dist_env) -> None:
+    model = fully_shard_model(build_model("cnn"), fsdp_unit_modules=["torch.nn.Conv2d", "torch.nn.Linear"])
+    assert [g.name for g in model.param_and_grad_buffer.parameter_groups] == ["conv1", "conv2", "head", "<root>"]
+
+
+def test_optimizer_whose_params_are_not_the_models(dist_env) -> None:
+    model, other = build_model("cnn"), build_model("cnn")
+    with pytest.raises(ValueError, match=r"optimizer param group 0 holds a parameter of shape \(5, 3, 3, 3\) "
+                                         r"that is not a parameter of module"):
+        fully_shard(model, torch.optim.Adam(other.parameters()))
+    with pytest.raises(ValueError, match=r"not a parameter of a fully_shard-ed model"):
+        fully_shard_optimizer(torch.optim.Adam(other.parameters()))
+    with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer"):
+        fully_shard(model, None)
+
+
+def test_meta_init_rejected_for_no_shard(dist_env) -> None:
+    with pytest.raises(ValueError, match=r"init_model_with_meta_device=True is not supported with "
+                                         r"zero_dp_strategy='no_shard'/0"):
+        fully_shard_model(build_model("cnn", device="meta"), zero_dp_strategy="no_shard",
+                          init_model_with_meta_device=True)
+
+
+def test_meta_tensors_without_meta_init(dist_env) -> None:
+    with pytest.raises(ValueError, match=r"module has tensors on the meta device; pass init_model_with_meta_device=True"):
+        fully_shard_model(build_model("cnn", device="meta"))
+
+
+def test_meta_module_without_reset_parameters(dist_env) -> None:
+    class NoReset(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4))
+
+        def forward(self, x):
+            return x * self.w
+
+    with torch.device("meta"):
+        module = NoReset()
+    with pytest.raises(ValueError, match=r"has meta-device tensors but no reset_parameters\(\)"):
+        fully_shard_model(module, init_model_with_meta_device=True)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(hybrid_fsdp_group=object()), r"HSDP .* is not implemented yet \(issue 4"),
+    (dict(cuda_graph_mode=True), r"cuda_graph_mode=True is not implemented yet"),
+    (dict(keep_fp8_transpose_cache=True), r"keep_fp8_transpose_cache=True .* is not implemented yet"),
+    (dict(outer_dp_sharding_strategy="optim", zero_dp_strategy=3), r"HSDP .* is not implemented yet"),
+])
+def test_later_issue_features_raise_not_implemented(kwargs, match, dist_env) -> None:
+    with pytest.raises(NotImplementedError, match=match):
+        fully_shard(*_cnn_and_adam(), **kwargs)
+
+
+def test_tp_and_dp_outer_dims_raise_not_implemented(dist_env) -> None:
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard", "tp"))
+    try:
+        with pytest.raises(NotImplementedError, match=r"tensor parallelism \(tp_dim='tp' of size 2 > 1\) is not implemented"):
+            fully_shard(*_cnn_and_adam(), device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp")
+        with pytest.raises(NotImplementedError, match=r"HSDP"):
+            fully_shard(*_cnn_and_adam(), device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="tp")
+    finally:
+        _destroy(mesh, ["dp_shard", "tp"])
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(mixed_precision_policy="bf16"), TypeError, r"mixed_precision_policy must be a fsdp_impl.MixedPrecisionPolicy"),
+    (dict(use_decoupled_grad="yes"), TypeError, r"use_decoupled_grad must be True or False"),
+    (dict(device_mesh="cpu"), TypeError, r"device_mesh must be a torch DeviceMesh or None"),
+])
+def test_bad_argument_types(kwargs, exc, match, dist_env) -> None:
+    with pytest.raises(exc, match=match):
+        fully_shard(*_cnn_and_adam(), **kwargs)
+
+
+def test_module_must_be_a_module_and_not_wrapped_twice(dist_env) -> None:
+    with pytest.raises(TypeError, match=r"module must be a torch.nn.Module"):
+        fully_shard_model("model")
+    model = fully_shard_model(build_model("cnn"))
+    with pytest.raises(ValueError, match=r"already wrapped"):
+        fully_shard_model(model)
+    with pytest.raises(TypeError, match=r"set_model_auto_sync\(sync\) needs a bool"):
+        model.set_model_auto_sync(1)
+    with pytest.raises(TypeError, match=r"needs a MixedPrecisionPolicy"):
+        with model.mixed_precision_context(torch.float16):
+            pass
+
+
+def test_mixed_dtype_unit_rejected(dist_env) -> None:
+    module = build_model("cnn")
+    module.head.half()
+    with pytest.raises(ValueError, match=r"FSDP unit '<root>' mixes parameter dtypes"):
+        fully_shard_model(module)

@@ -1,0 +1,94 @@
+"""Property tests of the pure shard arithmetic (fsdp_impl.sharding): for random shapes and world
+sizes, shards cover every row exactly once in rank order, shard-then-gather is the identity
+(also through the padded all-gather/reduce-scatter layout), and empty shards are handled."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsdp_impl.sharding import FlatLayout, chunk_rows, shard_row_range
+
+shapes = st.lists(st.integers(min_value=0, max_value=7), min_size=1, max_size=3).map(tuple)
+worlds = st.integers(min_value=1, max_value=9)
+
+
+@given(rows=st.integers(min_value=0, max_value=100), world=worlds)
+def test_row_ranges_cover_rows_exactly_once(rows: int, world: int) -> None:
+    covered = []
+    for rank in range(world):
+        start, end = shard_row_range(rows, world, rank)
+        assert 0 <= start <= end <= rows
+        assert end - start <= chunk_rows(rows, world)
+        covered.extend(range(start, end))
+    assert covered == list(range(rows))
+
+
+@given(rows=st.integers(min_value=0, max_value=60), world=worlds)
+def test_row_ranges_match_torch_chunk(rows: int, world: int) -> None:
+    """Same split as torch.chunk / DTensor Shard(0), padded with empty trailing shards."""
+    chunks = list(torch.arange(rows).chunk(world)) if rows else []
+    for rank in range(world):
+        start, end = shard_row_range(rows, world, rank)
+        expected = chunks[rank].tolist() if rank < len(chunks) else []
+        assert list(range(start, end)) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(param_shapes=st.lists(shapes.filter(lambda s: len(s) > 0), min_size=1, max_size=5), world=worlds)
+def test_shard_then_gather_is_identity(param_shapes, world: int) -> None:
+    layout = FlatLayout(param_shapes, world)
+    fulls = [torch.randn(s) for s in param_shapes]
+    # Every rank packs its local shards into its segment (what the weight buffer holds) ...
+    segments = torch.zeros(world, layout.segment_numel)
+    for rank in range(world):
+        for i, full in enumerate(fulls):
+            start, end = shard_row_range(full.shape[0], world, rank)
+            view = layout.local_view(segments[rank], i, rank)
+            assert view.shape == full[start:end].shape
+            view.copy_(full[start:end])
+    # ... the all-gather output is the rank-major concatenation, and unpacking restores the params.
+    for i, full in enumerate(fulls):
+        out = torch.empty_like(full)
+        layout.unpack_full(segments.reshape(-1), i, out)
+        assert torch.equal(out, full)
+
+
+@settings(max_examples=60, deadline=None)
+@given(param_shapes=st.lists(shapes.filter(lambda s: len(s) > 0), min_size=1, max_size=5), world=worlds)
+def test_pack_places_each_rank_rows_in_its_segment(param_shapes, world: int) -> None:
+    """pack_full (the reduce-scatter input) puts rank r's rows in segment r, padding zero."""
+    layout = FlatLayout(param_shapes, world)
+    buf = torch.full((layout.total_numel,), float("nan"))
+    buf.zero_()
+    fulls = [torch.randn(s) for s in param_shapes]
+    for i, full in enumerate(fulls):
+        layout.pack_full(buf, i, full)
+    segments = buf.view(world, layout.segment_numel)
+    for rank in range(world):
+        for i, full in enumerate(fulls):
+            start, end = shard_row_range(full.shape[0], world, rank)
+            assert torch.equal(layout.local_view(segments[rank], i, rank), full[start:end])
+    used = sum(f.numel() for f in fulls)
+    assert int(torch.count_nonzero(buf)) <= used  # padding stays zero
+    layout.pack_full(buf, 0, fulls[0], accumulate=True)
+    assert torch.allclose(layout.local_view(segments[0], 0, 0),
+                          2 * fulls[0][slice(*shard_row_range(fulls[0].shape[0], world, 0))])
+
+
+def test_empty_shards_for_param_smaller_than_world() -> None:
+    layout = FlatLayout([(3,), (2, 5)], 4)
+    assert layout.slots[0].chunk == 1 and layout.slots[1].chunk == 1
+    assert layout.local_view(torch.zeros(layout.segment_numel), 0, 3).shape == (0,)
+    assert layout.local_view(torch.zeros(layout.segment_numel), 1, 2).shape == (0, 5)
+    assert layout.segment_numel == 1 + 5
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="num_shards"):
+        chunk_rows(3, 0)
+    with pytest.raises(ValueError, match="rank"):
+        shard_row_range(3, 2, 2)
+    with pytest.raises(ValueError, match="0-dim"):
+        FlatLayout([()], 2)

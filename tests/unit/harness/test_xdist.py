@@ -1,0 +1,28 @@
+"""Under xdist: buckets stay on one worker (loadgroup by default), concurrent buckets never share a
+rendezvous, and with (fake) GPUs each worker leases disjoint GPUs for its bucket."""
+from __future__ import annotations
+
+from conftest import pid_alive, run_samples
+
+
+def test_concurrent_buckets_have_distinct_rendezvous_and_gpus(tmp_path):
+    run = run_samples(tmp_path, "sample_concurrent_a.py", "sample_concurrent_b.py", args=("-n", "2"),
+                      env={"HARNESS_FAKE_GPUS": "4", "HARNESS_LOCK_DIR": str(tmp_path / "locks")}, timeout=400)
+    a, b = run.cases["test_bucket_a"], run.cases["test_bucket_b"]
+    assert a.outcome == b.outcome == "passed", run.output[-3000:]
+    # the tests only pass if both buckets were up at the same time (file rendezvous in the samples)
+    assert a.prop("store_port") and b.prop("store_port") and a.prop("store_port") != b.prop("store_port")
+    assert a.prop("controller_pid") != b.prop("controller_pid")  # two xdist workers
+    gpus_a, gpus_b = a.rank_props("cuda_visible_devices"), b.rank_props("cuda_visible_devices")
+    assert len(gpus_a) == len(gpus_b) == 2, (a.props, b.props)
+    all_ids = list(gpus_a.values()) + list(gpus_b.values())
+    assert len(set(all_ids)) == 4 and set(all_ids) <= {"0", "1", "2", "3"}, all_ids
+    assert [p for p in run.all_rank_pids() if pid_alive(p)] == []
+
+
+def test_bucket_stays_on_one_worker_by_default(tmp_path):
+    run = run_samples(tmp_path, "sample_bucket20.py", args=("-n", "2"), timeout=400)
+    assert run.returncode == 0, run.output[-3000:]
+    pids = [c.rank_props("pid") for c in run.cases.values()]
+    assert len(pids) == 20 and all(p == pids[0] for p in pids)
+    assert len({c.prop("controller_pid") for c in run.cases.values()}) == 1
