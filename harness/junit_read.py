@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import re
+import types
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Sequence
 
@@ -22,7 +23,7 @@ XFAILED = "xfailed"
 SKIPPED = "skipped"
 ERROR = "error"
 FAILED = "failed"
-OUTCOME_RANK = {PASSED: 0, XFAILED: 1, SKIPPED: 2, ERROR: 3, FAILED: 4}
+OUTCOME_RANK = types.MappingProxyType({PASSED: 0, XFAILED: 1, SKIPPED: 2, ERROR: 3, FAILED: 4})
 FAILING = frozenset({FAILED, ERROR})
 
 # pytest's default suite name; any other name (``-o junit_suite_name=...``) labels the run.
@@ -266,11 +267,15 @@ def find_junit_files(paths: Sequence[str | pathlib.Path]) -> list[tuple[pathlib.
 
 
 def read_junit(paths: Iterable[str | pathlib.Path]) -> list[TestCase]:
-    """Read every JUnit file named by ``paths`` (files or directories)."""
+    """Read every JUnit file named by ``paths`` (files or directories), each file once."""
     paths = list(paths)
     if not paths:
         raise JunitError("no JUnit paths given")
     cases: list[TestCase] = []
+    seen: set[pathlib.Path] = set()
     for path, label in find_junit_files(paths):
+        if path.resolve() in seen:
+            continue  # named twice (a directory and a file in it): count its tests once
+        seen.add(path.resolve())
         cases.extend(read_junit_file(path, label))
     return cases

@@ -56,7 +56,7 @@ class Counts:
                                  self.skipped, self.xfailed)]
 
 
-COUNT_HEADERS = ["tests", "passed", "failed", "errors", "skipped", "xfailed"]
+COUNT_HEADERS = ("tests", "passed", "failed", "errors", "skipped", "xfailed")
 
 
 @dataclasses.dataclass
@@ -338,10 +338,11 @@ def _skip_section(cases: Sequence[TestCase]) -> list[str]:
     return lines + ["", "</details>", ""]
 
 
-def _baseline_section(diff: BaselineDiff | None) -> list[str]:
+def _baseline_section(diff: BaselineDiff | None, sources: Sequence[str]) -> list[str]:
     lines = ["## Changes since baseline", ""]
     if diff is None:
         return lines + ["No baseline given (`--baseline`).", ""]
+    lines += [f"Baseline: {', '.join(f'`{s}`' for s in sources)}", ""]
     groups = [("Newly failing", diff.newly_failing), ("Newly passing", diff.newly_passing),
               ("Other outcome changes", diff.other_changes)]
     for title, entries in groups:
@@ -356,7 +357,8 @@ def _baseline_section(diff: BaselineDiff | None) -> list[str]:
 
 
 def render_report(title: str, cases: Sequence[TestCase], rows: Sequence[RegressionRow],
-                  diff: BaselineDiff | None, sources: Sequence[str]) -> tuple[str, bool]:
+                  diff: BaselineDiff | None, sources: Sequence[str],
+                  baseline_sources: Sequence[str] = ()) -> tuple[str, bool]:
     """Build the Markdown report; returns (text, passed)."""
     passed, reasons = verdict(cases, rows)
     total = Counts.of(cases)
@@ -374,7 +376,7 @@ def render_report(title: str, cases: Sequence[TestCase], rows: Sequence[Regressi
         lines += _table(["run", *COUNT_HEADERS],
                         ([r, *Counts.of(g).row()] for r, g in sorted(by_run.items()))) + [""]
     lines += _suite_section(cases) + _matrix_section(cases) + _regression_section(rows)
-    lines += _failure_section(cases) + _skip_section(cases) + _baseline_section(diff)
+    lines += _failure_section(cases) + _skip_section(cases) + _baseline_section(diff, baseline_sources)
     return "\n".join(lines), passed
 
 
@@ -409,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     rows = regression_rows(cases, required)
     diff = baseline_diff(cases, baseline) if baseline is not None else None
-    text, passed = render_report(args.title, cases, rows, diff, args.junit)
+    text, passed = render_report(args.title, cases, rows, diff, args.junit, args.baseline or ())
     if args.output is not None:
         try:
             args.output.parent.mkdir(parents=True, exist_ok=True)

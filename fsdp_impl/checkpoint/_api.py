@@ -38,7 +38,9 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: Any, extra: dict 
     ``<path>.tmp-<unique>`` first and rank 0 renames it to ``path`` only once every file is
     written and hashed, so an interrupted save leaves any previous checkpoint intact.
     ``extra`` (epoch, RNG states, LR-scheduler and data-loader state ...) is pickled by rank 0,
-    so it must be the same on all ranks or only meaningful on rank 0.
+    so it must be the same on all ranks or only meaningful on rank 0; store per-rank values
+    (e.g. each rank's RNG state) as a list gathered with ``dist.all_gather_object``.  Tensors
+    in ``extra`` come back on the CPU.
     """
     path = _files.as_path(path)
     if extra is not None and not isinstance(extra, dict):
@@ -54,7 +56,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: Any, extra: dict 
         except (OSError, CheckpointError) as e:
             error = e
     _comm.raise_if_any_failed(error, f"preparing checkpoint directory {path}", CheckpointWriteError)
-    tmp = Path(_comm.broadcast_from_rank0(str(tmp)))
+    tmp = Path(_comm.broadcast_from_rank0(None if tmp is None else str(tmp)))
     try:
         _write(tmp, path, {MODEL_KEY: model_sd, OPTIM_KEY: snapshot.state}, snapshot, extra)
     except BaseException:

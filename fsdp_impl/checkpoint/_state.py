@@ -205,5 +205,3 @@ def install_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
         groups.append(merged)
     indexed = {index_of[n]: dict(entry) for n, entry in state.items() if n in index_of}
     optimizer.load_state_dict({"state": indexed, "param_groups": groups})
-    for st in optimizer.state.values():  # MUTATION: dummy step count
-        st["step"] += 1

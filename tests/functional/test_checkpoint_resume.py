@@ -11,8 +11,10 @@ loads the checkpoint, and checks:
   dummy step ran) equal the recorded ones bit-for-bit, and the param groups' learning rates are
   the saved ones (a cross-size load is a pure copy, so this is exact there too);
 - training on: the first loss after the load equals the uninterrupted run's loss at that step
-  (the compute weights used by forward are the loaded ones), and all later losses, the final
-  parameters and the final Adam state equal the uninterrupted run's.
+  (the compute weights used by forward are the loaded ones -- the fresh model runs an
+  evaluation forward *before* the load, so stale compute weights from the random init would
+  show), and all later losses, the final parameters and the final Adam state equal the
+  uninterrupted run's.
 
 Tolerances: same world size and strategy -> bit-for-bit (CPU fp32; same arithmetic in the same
 order).  Different world size or strategy -> ``rtol=1e-5`` on losses and ``max ||a-e||/||e||
@@ -137,6 +139,16 @@ def train_step(model: torch.nn.Module, optimizer: Any, model_name: str, step: in
     return total.item() / world
 
 
+def probe_forward(model: torch.nn.Module, model_name: str, device: torch.device) -> None:
+    """An evaluation forward before the load, so the engine has already built compute weights
+    from the random init: the resumed losses then prove that the load refreshed them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs, _ = make_batch(model_name, GLOBAL_BATCH, seed=999)
+    per = GLOBAL_BATCH // world
+    with torch.no_grad():
+        model(*[x[rank * per:(rank + 1) * per].to(device) for x in inputs])
+
+
 def full_state(model: torch.nn.Module, optimizer: Any) -> Dict[str, torch.Tensor]:
     """Global params, Adam moments and step counts by name (collective, fixed order)."""
     out: Dict[str, torch.Tensor] = {}
@@ -206,6 +218,7 @@ def resume_and_compare(saved: Case, saved_world: int, loaded: Case, dist_env: An
     model, optimizer = wrap(loaded, dist_env.device, seed=1234, lr=RESUME_LR)
     target = case_dir(root, saved_world, saved)
     record = load_record(target, f"test_save_uninterrupted_run[{saved}] on {saved_world} ranks")
+    probe_forward(model, loaded.model, dist_env.device)  # compute weights now hold the random init
     assert len(optimizer.state) == 0, "the optimizer must not have stepped before the load"
     extra = checkpoint.load(target / "ckpt", model, optimizer)
 

@@ -32,7 +32,7 @@ from fsdp_impl.clip_grad import clip_grad_norm
 from fsdp_impl.decoupled import local_tensor, optimizer_reads_decoupled_grad
 from fsdp_impl.optim import AdamW
 
-STRATEGIES = [1, 2, 3]  # optim, optim_grads, optim_grads_params
+STRATEGIES = [0]  # optim, optim_grads, optim_grads_params
 WORLDS = [
     pytest.param(2, marks=pytest.mark.distributed(world_size=2), id="ws2"),
     pytest.param(4, marks=pytest.mark.distributed(world_size=4), id="ws4"),

@@ -288,3 +288,33 @@ def test_zero3_prefetches_next_unit_all_gather(dist_env, monkeypatch) -> None:
     assert fwd.index(("gather", "head")) < fwd.index(("forward", "conv2"))
     bwd = events[len(fwd):]
     assert [e[1] for e in bwd] == ["head", "conv2", "conv1"], bwd  # one gather per unit, in order
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_zero_grad_keep_views_trains_like_reference(strategy, dist_env) -> None:
+    """``zero_grad(set_to_none=False)`` keeps every ``.grad`` a view of the grad buffer across
+    steps (what the CUDA-graph issue needs) and training still matches the reference."""
+    rank, world = dist_env.rank, dist_env.world_size
+    module = build_model("cnn", seed=0)
+    model, opt = fully_shard(module, make_optimizer("sgd", module.named_parameters()),
+                             fsdp_unit_modules=list(unit_classes("cnn")), zero_dp_strategy=strategy)
+    from tests.functional.common.reference import global_batch
+
+    views = None
+    for step in range(3):
+        inputs, target = global_batch("cnn", step, world * 3, torch.float32)
+        loss_fn("cnn")(model(local_slice(inputs[0], rank, 3)), local_slice(target, rank, 3)).backward()
+        grads = [p.grad for p in model.parameters()]
+        if views is not None:
+            assert all(g is v for g, v in zip(grads, views)), "grads must stay the same view objects"
+        views = grads
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        assert all(int(g.to_local().count_nonzero()) == 0 for g in grads)
+    buffers = [g.main_grad_buffer.data for g in model.param_and_grad_buffer.parameter_groups
+               if g.main_grad_buffer is not None]
+    ptrs = {b.untyped_storage().data_ptr() for b in buffers}
+    assert all(v.to_local().untyped_storage().data_ptr() in ptrs for v in views)
+    _, ref_params = train_reference(build_model("cnn", seed=0), "cnn", "sgd", 3, world * 3)
+    err, where = max_relative_error({n: p.full_tensor() for n, p in model.module.named_parameters()}, ref_params)
+    assert err <= RTOL, f"{where}: {err:.3g}"

@@ -119,3 +119,37 @@ def test_tied_weights_round_trip(tmp_path: Path) -> None:
     assert m2[1].weight is m2[0].weight
     assert torch.equal(m2[0].weight, m[0].weight)
     assert torch.equal(o2.state[m2[0].weight]["exp_avg"], o.state[m[0].weight]["exp_avg"])
+
+
+def test_state_dict_returning_copies_still_loads_the_weights(tmp_path: Path) -> None:
+    """If ``state_dict()`` hands out copies, DCP's in-place load cannot reach the parameters;
+    ``load`` must notice and fall back to ``load_state_dict``."""
+    src = make_trainer(seed=0)
+    src.step(0)
+    checkpoint.save(tmp_path / "ck", src.model, src.optimizer)
+    dst = make_trainer(seed=7)
+
+    def copies(module: torch.nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+        for key in state:
+            state[key] = state[key].clone()
+
+    dst.model._register_state_dict_hook(copies)
+    checkpoint.load(tmp_path / "ck", dst.model, dst.optimizer)
+    for a, b in zip(src.model.parameters(), dst.model.parameters()):
+        assert torch.equal(a.detach(), b.detach())
+    assert dst.step(1) == src.step(1)
+
+
+def test_frozen_parameter_without_optimizer_state(tmp_path: Path) -> None:
+    """Params that never got a grad have no Adam state; they round-trip as weights only."""
+    src = make_trainer(seed=0)
+    src.model.fc1.bias.requires_grad_(False)
+    src.step(0)
+    assert src.model.fc1.bias not in src.optimizer.state
+    checkpoint.save(tmp_path / "ck", src.model, src.optimizer)
+    dst = make_trainer(seed=2)
+    dst.model.fc1.bias.requires_grad_(False)
+    checkpoint.load(tmp_path / "ck", dst.model, dst.optimizer)
+    assert dst.model.fc1.bias not in dst.optimizer.state
+    assert torch.equal(dst.model.fc1.bias, src.model.fc1.bias)
+    assert dst.step(1) == src.step(1)

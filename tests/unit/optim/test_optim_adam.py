@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp_impl.optim import Adam, AdamW
@@ -358,3 +360,30 @@ def test_capturable_step_replays_in_cuda_graph() -> None:
     torch.cuda.synchronize()
     assert opt.state[param]["step"].item() == len(grads)
     torch.testing.assert_close(param.detach(), ref_param.detach(), rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lr=st.floats(min_value=1e-4, max_value=0.5),
+    beta1=st.floats(min_value=0.0, max_value=0.99),
+    beta2=st.floats(min_value=0.5, max_value=0.9999),
+    eps=st.sampled_from([1e-8, 1e-6, 1e-3]),
+    weight_decay=st.sampled_from([0.0, 0.01, 0.3]),
+    amsgrad=st.booleans(),
+    maximize=st.booleans(),
+    foreach=st.sampled_from([None, False, True]),
+    decoupled_wd=st.booleans(),
+)
+def test_property_matches_torch(
+    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    amsgrad: bool, maximize: bool, foreach: bool | None, decoupled_wd: bool,
+) -> None:
+    """Any valid hyper-parameter combination reproduces torch to fp32 rounding."""
+    kwargs = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                  maximize=maximize, foreach=foreach)
+    ours_cls, torch_cls = PAIRS[1] if decoupled_wd else PAIRS[0]
+    ours_p, ref_p = _make_params(), _make_params()
+    ours, ref = ours_cls(ours_p, **kwargs), torch_cls(ref_p, **kwargs)
+    _run(ours, ours_p, 3)
+    _run(ref, ref_p, 3)
+    _assert_params_close(ours_p, ref_p, rtol=1e-6, atol=1e-7)

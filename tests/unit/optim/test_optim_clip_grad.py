@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp_impl.clip_grad import clip_grad_norm
@@ -224,3 +226,38 @@ def test_dtensor_grads_one_rank(one_rank_mesh: Any, placement: Any, norm_type: f
     torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=0)
     for a, b in zip(_grads(ours + [mixed], "decoupled_grad"), _grads(ref + [ref_mixed])):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+_shapes = st.lists(
+    st.lists(st.integers(min_value=0, max_value=5), min_size=0, max_size=3).map(tuple), min_size=0, max_size=6
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shapes=_shapes,
+    norm_type=st.sampled_from(NORM_TYPES),
+    max_norm=st.floats(min_value=1e-3, max_value=1e3),
+    seed=st.integers(min_value=0, max_value=2**16),
+    decoupled=st.booleans(),
+)
+def test_property_matches_torch(
+    shapes: list[tuple[int, ...]], norm_type: float, max_norm: float, seed: int, decoupled: bool
+) -> None:
+    """Any mix of shapes (scalars, empty tensors), norm types and thresholds agrees with torch."""
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    ours = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    ref = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p, q, g in zip(ours, ref, grads):
+        setattr(p, "decoupled_grad" if decoupled else "grad", g.clone())
+        q.grad = g.clone()
+    total = clip_grad_norm(ours, max_norm, norm_type, use_decoupled_grad=decoupled)
+    if any(g.numel() for g in grads):
+        ref_total = _torch_clip(ref, max_norm, norm_type)
+        torch.testing.assert_close(total, ref_total, rtol=1e-5, atol=1e-7)
+    else:
+        assert total.item() == 0.0
+    for p, q in zip(ours, ref):
+        got = p.decoupled_grad if decoupled else p.grad
+        torch.testing.assert_close(got, q.grad, rtol=1e-5, atol=1e-7)

@@ -255,6 +255,7 @@ def test_baseline_diff_by_test_id(capsys) -> None:
     assert diff.removed == ["tests/unit/test_sharding.py::test_old_api"]
     _, report, _ = run_main(["--junit", CURRENT, "--baseline", BASELINE], capsys)
     assert "**Newly failing** (2)" in report and "**Removed tests** (1)" in report
+    assert f"Baseline: `{BASELINE}`" in report
     assert "- `tests/unit/test_sharding.py::test_empty_shard`" in report
 
 
@@ -398,3 +399,10 @@ def test_numeric_values_sort_naturally(tmp_path, capsys) -> None:
     assert axes == {"world_size": "1, 2, 8, 16"}
     cells = [r["cell"] for r in table_rows(report, "### Outcomes per matrix cell")]
     assert cells == ["world_size=1", "world_size=2", "world_size=8", "world_size=16"]
+
+
+def test_a_file_named_twice_is_read_once(tmp_path) -> None:
+    (tmp_path / "cpu").mkdir()
+    shutil.copy(CURRENT, tmp_path / "cpu" / "L0.xml")
+    cases = read_junit([tmp_path, tmp_path / "cpu" / "L0.xml"])
+    assert len(cases) == 13
