@@ -11,7 +11,7 @@ shared/seeds/000 (a segfault clipping a None ``decoupled_grad``; a silent no-op 
 buffer wrote ``decoupled_grad`` but the optimizer read ``.grad``).
 
 TODO(HSDP issue): add outer strategies (dp_outer no_shard/optim on 2-D meshes) once the engine
-supports them; only inner strategies 1-3 on a 1-D mesh are covered here.
+supports them; only inner strategies 0-3 on a 1-D mesh are covered here.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from fsdp_impl.clip_grad import clip_grad_norm
 from fsdp_impl.decoupled import local_tensor, optimizer_reads_decoupled_grad
 from fsdp_impl.optim import AdamW
 
-STRATEGIES = [0]  # optim, optim_grads, optim_grads_params
+STRATEGIES = [0, 1, 2, 3]  # no_shard (Replicate grads), optim, optim_grads, optim_grads_params
 WORLDS = [
     pytest.param(2, marks=pytest.mark.distributed(world_size=2), id="ws2"),
     pytest.param(4, marks=pytest.mark.distributed(world_size=4), id="ws4"),
