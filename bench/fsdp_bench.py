@@ -107,7 +107,7 @@ def main() -> None:
     peak = torch.cuda.max_memory_allocated(device) / 2**30
     result = {
         "impl": args.impl, "world": world, "tok_s_per_gpu": round(tok_s, 1), "peak_gib": round(peak, 2),
-        "step_s": round(dt / args.steps, 4), "last_loss": float(losses[-1]),
+        "step_s": round(dt / args.steps, 4), "last_loss": float(losses[-1].detach()),
         "hidden": cfg.hidden, "layers": cfg.layers, "seq": cfg.seq, "micro_batch": args.micro_batch,
         "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device),
     }

@@ -52,6 +52,9 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         self.head.weight = self.embed.weight
+        # GPT-2 style init keeps the tied logits small (N(0, 1) embeddings give losses near 100+).
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(tokens.shape[1], device=tokens.device)

@@ -18,6 +18,7 @@ from .device import CommStreams, pick_device
 from .discovery import UnitSpec, assign_params, find_unit_modules, resolve_unit_classes
 from .engine import FSDPEngine
 from .hooks import register_hooks
+from .hybrid import OuterGradReducer, check_tp_params, resolve_parallel_dims
 from .mesh import DistIndex, build_mesh, submesh
 from .meta_init import materialise, sync_rng_from_rank0
 from .module import FullyShardedModule
@@ -54,15 +55,11 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: Optional[str], 
         _check_bool(name, value)
     if dp_outer_dim is not None:
         submesh(mesh, dp_outer_dim, "dp_outer_dim")
-    if tp_dim is not None and submesh(mesh, tp_dim, "tp_dim").size() > 1:
-        raise _not_implemented(f"tensor parallelism (tp_dim={tp_dim!r} of size "
-                               f"{mesh[tp_dim].size()} > 1)", "issue 4: HSDP/TP")
+    if tp_dim is not None:
+        submesh(mesh, tp_dim, "tp_dim")
     if outer == ShardingStrategy.OPTIM and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(f"outer_dp_sharding_strategy='optim'/1 requires zero_dp_strategy="
                          f"'optim_grads_params'/3, got zero_dp_strategy={strategy.name.lower()!r}/{int(strategy)}")
-    if dp_outer_dim is not None or hybrid_fsdp_group is not None or outer != ShardingStrategy.NO_SHARD:
-        raise _not_implemented("HSDP (dp_outer_dim / hybrid_fsdp_group / outer_dp_sharding_strategy)",
-                               "issue 4: HSDP/TP")
     if flags["cuda_graph_mode"]:
         raise _not_implemented("cuda_graph_mode=True", "CUDA-graph issue")
     if flags["keep_fp8_transpose_cache"]:
@@ -81,7 +78,7 @@ def _shard_units(module: nn.Module, units: List[FSDPUnit], unit_modules: List[nn
         raise ValueError("module has tensors on the meta device; pass init_model_with_meta_device=True "
                          "to materialise them, or build the module on a real device")
     if meta_init:
-        sync_rng_from_rank0(ctx.device, ctx.group)
+        sync_rng_from_rank0(ctx.device, dist.group.WORLD)  # outer/TP/CP replicas init alike too
         materialise(module, groups, unit_modules, ctx.device, lambda i: units[i].shard_from_module())
         return
     for sub in module.modules():
@@ -122,6 +119,10 @@ def fully_shard_model(
     mesh, shard_mesh = build_mesh(device_mesh, dp_shard_dim)
     _validate(module, mesh, dp_outer_dim, tp_dim, hybrid_fsdp_group, strategy, outer,
               init_model_with_meta_device, mixed_precision_policy, flags)
+    dims = resolve_parallel_dims(mesh, shard_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group,
+                                 strategy, outer)
+    check_tp_params(module, dims)
+    shard_mesh = dims.shard_mesh  # HFSDP: the hybrid group; else the dp_shard_dim sub-mesh
     if isinstance(module, FullyShardedModule):
         raise ValueError("module is already wrapped by fully_shard")
     found = find_unit_modules(module, classes)
@@ -139,7 +140,10 @@ def fully_shard_model(
                         report_nan_in_param_grad)
     handles = register_hooks(engine, [unit_modules[i] for i in keep] + [module])
     buffer = ParamAndGradBuffer([u.group for u in units], use_decoupled_grad)
-    wrapper = FullyShardedModule(module, engine, buffer, DistIndex(mesh, shard_mesh), handles)
+    if dims.outer_reduce:
+        engine.outer_reducer = OuterGradReducer(dims.outer_group)
+    dist_index = DistIndex(mesh, dims.inner_mesh, dims.outer_group, dims.hybrid_group, dims.tp_group)
+    wrapper = FullyShardedModule(module, engine, buffer, dist_index, handles)
     for unit in units:
         for p in unit.params:
             p.sharded._fsdp_engine_ref = weakref.ref(engine)

@@ -9,6 +9,7 @@ import contextlib
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -19,9 +20,23 @@ def pick_device(mesh: DeviceMesh) -> torch.device:
     return torch.device("cpu")
 
 
+def get_rng_state(device: torch.device) -> torch.Tensor:
+    """State of the generator that initialises tensors on ``device``."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
 def default_device_type() -> str:
-    """Device type for a mesh built by us (``device_mesh=None``)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """Device type for a mesh built by us (``device_mesh=None``): CUDA only when the default
+    process group can move CUDA tensors (NCCL), so gloo on a GPU node still runs on CPU."""
+    backend = str(dist.get_backend()).lower()
+    return "cuda" if torch.cuda.is_available() and "nccl" in backend else "cpu"
 
 
 class CommStream:

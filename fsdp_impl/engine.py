@@ -30,6 +30,8 @@ class FSDPEngine:
         self.sync = sync
         self.use_decoupled_grad = use_decoupled_grad
         self.report_nan = report_nan
+        # HSDP: averages grads across dp_outer once per cycle (fsdp_impl.hybrid.OuterGradReducer)
+        self.outer_reducer: Optional[Any] = None
         self.comm_dtype_override: Optional[torch.dtype] = None
         self._callback_queued = False
         self._stale: List[bool] = [True] * len(units)
@@ -56,8 +58,9 @@ class FSDPEngine:
     def pre_forward(self, unit: FSDPUnit) -> None:
         zero3 = self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
         if unit is self.root:
-            if zero3:  # a previous forward without backward left the root gathered: regather
-                unit.reshard()
+            if zero3:  # a forward without backward (eval) may have left units gathered/prefetched
+                for other in self.units:
+                    other.reshard()
             self._agree_on_stale_units()
             if self._order:
                 self._prev_order = self._order
@@ -125,6 +128,8 @@ class FSDPEngine:
             unit.reshard()
             unit.end_backward()
         if self.sync:
+            if self.outer_reducer is not None:
+                self.outer_reducer.reduce([u.grad for u in self.units])
             self.install_grads()
 
     def install_grads(self) -> None:
@@ -140,10 +145,11 @@ class FSDPEngine:
         """FQNs whose synced grad holds a NaN on *any* rank (one MAX all-reduce of per-param
         flags), so every rank raises the same error instead of only those holding the shard."""
         names = [p.fqn for u in self.units for p in u.trainable]
-        flags = torch.tensor([f for u in self.units for f in u.nan_grad_flags()], dtype=torch.int32,
-                             device=self.ctx.device)
-        if flags.numel():
-            comm.all_reduce_max(flags, self.ctx.group)
+        per_param = [f for u in self.units for f in u.nan_grad_flags()]
+        if not per_param:
+            return []
+        flags = torch.stack(per_param)  # one device->host sync below, not one per param
+        comm.all_reduce_max(flags, self.ctx.group)
         return [n for n, f in zip(names, flags.tolist()) if f]
 
     def zero_grad_buffers(self) -> None:

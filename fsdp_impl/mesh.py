@@ -58,21 +58,27 @@ def build_mesh(device_mesh: Optional[DeviceMesh], dp_shard_dim: Optional[str]) -
 class DistIndex:
     """Process groups of the wrapped model; ``None`` for parallelism not in use."""
 
-    def __init__(self, mesh: DeviceMesh, shard_mesh: DeviceMesh) -> None:
+    def __init__(self, mesh: DeviceMesh, shard_mesh: DeviceMesh,
+                 outer_group: Optional[dist.ProcessGroup] = None,
+                 hybrid_group: Optional[dist.ProcessGroup] = None,
+                 tp_group: Optional[dist.ProcessGroup] = None) -> None:
         self.device_mesh = mesh
-        self.shard_mesh = shard_mesh
+        self.shard_mesh = shard_mesh  # the dp_shard_dim sub-mesh (inner group, also under HFSDP)
+        self._outer_group = outer_group
+        self._hybrid_group = hybrid_group
+        self._tp_group = tp_group
 
     def get_fsdp_group(self) -> dist.ProcessGroup:
         return self.shard_mesh.get_group()
 
     def get_outer_fsdp_group(self) -> Optional[dist.ProcessGroup]:
-        return None
+        return self._outer_group
 
     def get_hybrid_fsdp_group(self) -> Optional[dist.ProcessGroup]:
-        return None
+        return self._hybrid_group
 
     def get_tp_group(self) -> Optional[dist.ProcessGroup]:
-        return None
+        return self._tp_group
 
     @property
     def shard_rank(self) -> int:

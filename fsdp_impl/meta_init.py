@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .device import get_rng_state, set_rng_state
 from .param import ManagedParam
 
 
@@ -43,14 +44,9 @@ def _materialise_direct(module: nn.Module, by_id: Dict[int, ManagedParam], devic
 
 def sync_rng_from_rank0(device: torch.device, group: dist.ProcessGroup) -> None:
     """Make every rank's init-device RNG equal shard-rank 0's, so all ranks init identically."""
-    if device.type == "cuda":
-        state = [torch.cuda.get_rng_state(device)]
-        dist.broadcast_object_list(state, src=dist.get_global_rank(group, 0), group=group, device=device)
-        torch.cuda.set_rng_state(state[0], device)
-    else:
-        state = [torch.get_rng_state()]
-        dist.broadcast_object_list(state, src=dist.get_global_rank(group, 0), group=group)
-        torch.set_rng_state(state[0])
+    state = [get_rng_state(device).cpu()]
+    dist.broadcast_object_list(state, src=dist.get_global_rank(group, 0), group=group)
+    set_rng_state(state[0], device)
 
 
 def materialise(root: nn.Module, groups: List[List[ManagedParam]], unit_modules: List[nn.Module],

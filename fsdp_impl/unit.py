@@ -305,6 +305,6 @@ class FSDPUnit:
         if self._accumulator is not None:
             self._accumulator.zero_()
 
-    def nan_grad_flags(self) -> List[bool]:
-        """Per trainable param: does this rank's main-grad shard hold a NaN?"""
-        return [bool(torch.isnan(self.grad.local_view(p.grad_index)).any()) for p in self.trainable]
+    def nan_grad_flags(self) -> List[torch.Tensor]:
+        """Per trainable param, a 0-dim int tensor: does this rank's grad shard hold a NaN?"""
+        return [torch.isnan(self.grad.local_view(p.grad_index)).any().to(torch.int32) for p in self.trainable]

@@ -75,6 +75,7 @@ def pytest_configure_node(node: Any) -> None:
         node.workerinput["harness_loadgroup"] = True
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and workerinput.get("harness_loadgroup"):
@@ -87,8 +88,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
         config.pluginmanager.register(Controller(config), "fsdp_harness_controller")
     elif mode == "torchrun":
-        from harness.torchrun_mode import TorchrunSession
+        from harness.torchrun_mode import TorchrunSession, quiet_non_zero_ranks
 
+        quiet_non_zero_ranks(config)
         config.pluginmanager.register(TorchrunSession(config), "fsdp_harness_torchrun")
 
 

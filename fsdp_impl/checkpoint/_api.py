@@ -134,7 +134,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Any) -> dict | No
         dcp.load(state, storage_reader=FileSystemReader(path), no_dist=not _comm.is_distributed())
     except CheckpointException as e:
         raise CheckpointCorruptedError(f"reading checkpoint {path} failed: {e}") from e
-    _ensure_model_updated(model, state[MODEL_KEY], original_keys)
+    _install_model_state(model, state[MODEL_KEY], original_keys)
     install_optimizer_state(model, torch_optimizer, state[OPTIM_KEY], side["param_groups"])
     return side["extra"]
 
@@ -168,22 +168,14 @@ def _open(path: Path) -> tuple[dict, Any, dict]:
     return manifest, metadata, side
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+def _install_model_state(model: nn.Module, loaded: dict[str, Any], original_keys: dict[str, str]) -> None:
+    """Hand the loaded tensors to ``model.load_state_dict`` after DCP has filled them.
 
-
-def _ensure_model_updated(model: nn.Module, loaded: dict[str, Any], original_keys: dict[str, str]) -> None:
-    """Copy through ``load_state_dict`` only if ``state_dict()`` handed out copies.
-
-    DCP loads in place; when ``state_dict()`` returns views of the live parameters (the
-    DTensor-parameter contract), the parameters already hold the loaded values and their
-    version counters changed, which makes the engine refresh its compute weights.
+    DCP writes into the local shards through ``DTensor.to_local()``, whose result does not share
+    the parameter's version counter, so an engine that rebuilds its compute weights when the
+    parameters' version counters move would not notice the load.  ``load_state_dict`` copies
+    DTensor-to-DTensor (a local memcpy, in place when ``state_dict()`` returned views of the
+    parameters) like any other in-place update, and also covers a ``state_dict()`` that
+    returned copies.
     """
-    live, _ = model_state(model)
-    stale = [
-        name for name, value in loaded.items()
-        if isinstance(value, torch.Tensor)
-        and _local(value).data_ptr() != _local(live[name]).data_ptr()
-    ]
-    if stale:
-        model.load_state_dict({original_keys[n]: v for n, v in loaded.items()}, strict=True)
+    model.load_state_dict({original_keys[n]: v for n, v in loaded.items()}, strict=True)

@@ -318,3 +318,55 @@ def test_zero_grad_keep_views_trains_like_reference(strategy, dist_env) -> None:
     _, ref_params = train_reference(build_model("cnn", seed=0), "cnn", "sgd", 3, world * 3)
     err, where = max_relative_error({n: p.full_tensor() for n, p in model.module.named_parameters()}, ref_params)
     assert err <= RTOL, f"{where}: {err:.3g}"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_in_place_weight_edits_reach_the_next_forward(strategy, dist_env) -> None:
+    """Compute params are rebuilt when the main weights change by any in-place path: a DTensor
+    op, an edit of ``to_local()`` or of the weight buffer (closed form: zero weights -> zero out)."""
+    model = fully_shard_model(build_model("cnn", seed=0), fsdp_unit_modules=list(unit_classes("cnn")),
+                              zero_dp_strategy=strategy)
+    inputs, _ = make_batch("cnn", 2, seed=0)
+    assert model(*inputs).abs().sum() > 0
+    edits = [
+        lambda: [p.zero_() for p in model.parameters()],
+        lambda: [p.to_local().fill_(1.0) for p in model.parameters()],
+        lambda: [g.model_weight_buffer.data.zero_() for g in model.param_and_grad_buffer.parameter_groups],
+    ]
+    expected = [torch.zeros(2, 3), None, torch.zeros(2, 3)]
+    for edit, want in zip(edits, expected):
+        with torch.no_grad():
+            edit()
+            out = model(*inputs)
+        if want is None:  # all ones: the closed form of the ones-network on this input
+            ref = build_model("cnn")
+            for p in ref.parameters():
+                nn.init.ones_(p)
+            want = ref(*inputs)
+        assert torch.allclose(out, want, rtol=1e-5, atol=1e-5), f"edit {edit} not seen by forward"
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_eval_forward_between_training_steps(strategy, dist_env) -> None:
+    rank, world = dist_env.rank, dist_env.world_size
+    module, ref = build_model("transformer", seed=0), build_model("transformer", seed=0)
+    model, opt = fully_shard(module, make_optimizer("sgd", module.named_parameters()),
+                             fsdp_unit_modules=list(unit_classes("transformer")), zero_dp_strategy=strategy)
+    ref_opt = make_optimizer("sgd", ref.named_parameters())
+    from tests.functional.common.reference import global_batch
+
+    for step in range(3):
+        inputs, target = global_batch("transformer", step, world * 2, torch.float32)
+        mine = [local_slice(x, rank, 2) for x in inputs]
+        loss_fn("transformer")(model(*mine), local_slice(target, rank, 2)).backward()
+        loss_fn("transformer")(ref(*inputs), target).backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            out, want = model(*mine), ref(*mine)
+        model.train()
+        assert torch.allclose(out, want, rtol=1e-5, atol=1e-6), f"eval output differs after step {step}"
+    err, where = max_relative_error({n: p.full_tensor() for n, p in model.module.named_parameters()},
+                                    dict(ref.named_parameters()))
+    assert err <= RTOL, f"{where}: {err:.3g}"
