@@ -49,6 +49,8 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: Optional[str], 
     """Checks that need the mesh; raise before anything is allocated."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if isinstance(module, FullyShardedModule):
+        raise ValueError("module is already wrapped by fully_shard")
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision_policy must be a fsdp_impl.MixedPrecisionPolicy, got {policy!r}")
     for name, value in flags.items():
@@ -123,8 +125,6 @@ def fully_shard_model(
                                  strategy, outer)
     check_tp_params(module, dims)
     shard_mesh = dims.shard_mesh  # HFSDP: the hybrid group; else the dp_shard_dim sub-mesh
-    if isinstance(module, FullyShardedModule):
-        raise ValueError("module is already wrapped by fully_shard")
     found = find_unit_modules(module, classes)
     groups = assign_params(module, [name for name, _ in found])
     device = pick_device(mesh)

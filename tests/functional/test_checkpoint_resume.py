@@ -244,15 +244,18 @@ def resume_and_compare(saved: Case, saved_world: int, loaded: Case, dist_env: An
 
 MATRIX = _matrix()
 SAVED_ON_2 = [Case("cnn", "optim_grads_params"), Case("transformer", "optim")]
-CROSS_4_TO_2 = [  # (saved on 4 ranks, strategy loaded on 2 ranks)
-    (Case("cnn", "optim_grads_params"), "optim"),
-    (Case("transformer", "optim_grads_params"), "optim"),
-    (Case("cnn", "no_shard"), "optim_grads_params"),
-    (Case("transformer", "optim_grads"), "no_shard"),
+CROSS_4_TO_2 = [  # (saved on 4 ranks, loaded on 2 ranks): other world size *and* strategy
+    (Case("cnn", "optim_grads_params"), Case("cnn", "optim")),
+    (Case("transformer", "optim_grads_params"), Case("transformer", "optim")),
+    (Case("cnn", "no_shard"), Case("cnn", "optim_grads_params")),
+    (Case("transformer", "optim_grads"), Case("transformer", "no_shard")),
+    (Case("cnn", "optim_grads_params", "optim"), Case("cnn", "optim_grads")),  # HFSDP 2x2 -> FSDP
+    (Case("transformer", "optim", "no_shard"), Case("transformer", "optim_grads_params")),  # HSDP -> FSDP
 ]
-CROSS_2_TO_4 = [  # (saved on 2 ranks, strategy loaded on 4 ranks)
-    (SAVED_ON_2[0], "optim_grads"),
-    (SAVED_ON_2[1], "optim_grads_params"),
+CROSS_2_TO_4 = [  # (saved on 2 ranks, loaded on 4 ranks)
+    (SAVED_ON_2[0], Case("cnn", "optim_grads")),
+    (SAVED_ON_2[1], Case("transformer", "optim_grads_params")),
+    (SAVED_ON_2[0], Case("cnn", "optim_grads_params", "optim")),  # FSDP -> HFSDP 2x2
 ]
 
 
@@ -279,19 +282,17 @@ def test_resume_is_bit_exact(case: Case, dist_env: Any, session_shared_tmp_path:
 
 @ORDERED
 @pytest.mark.distributed(world_size=4, bucket="ckpt-resume-ws4")
-@pytest.mark.parametrize("saved,strategy", CROSS_2_TO_4, ids=lambda v: str(v))
-def test_resume_2_ranks_checkpoint_on_4_ranks(saved: Case, strategy: str, dist_env: Any,
+@pytest.mark.parametrize("saved,loaded", CROSS_2_TO_4, ids=str)
+def test_resume_2_ranks_checkpoint_on_4_ranks(saved: Case, loaded: Case, dist_env: Any,
                                               session_shared_tmp_path: Path) -> None:
-    loaded = dataclasses.replace(saved, strategy=strategy)
     resume_and_compare(saved, 2, loaded, dist_env, session_shared_tmp_path, rtol=CROSS_RTOL)
 
 
 @ORDERED
 @pytest.mark.distributed(world_size=2, bucket="ckpt-resume-ws2")
-@pytest.mark.parametrize("saved,strategy", CROSS_4_TO_2, ids=lambda v: str(v))
-def test_resume_4_ranks_checkpoint_on_2_ranks(saved: Case, strategy: str, dist_env: Any,
+@pytest.mark.parametrize("saved,loaded", CROSS_4_TO_2, ids=str)
+def test_resume_4_ranks_checkpoint_on_2_ranks(saved: Case, loaded: Case, dist_env: Any,
                                               session_shared_tmp_path: Path) -> None:
-    loaded = dataclasses.replace(saved, strategy=strategy)
     resume_and_compare(saved, 4, loaded, dist_env, session_shared_tmp_path, rtol=CROSS_RTOL)
 
 

@@ -132,25 +132,12 @@ def test_meta_module_without_reset_parameters(dist_env) -> None:
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(hybrid_fsdp_group=object()), r"HSDP .* is not implemented yet \(issue 4"),
     (dict(cuda_graph_mode=True), r"cuda_graph_mode=True is not implemented yet"),
     (dict(keep_fp8_transpose_cache=True), r"keep_fp8_transpose_cache=True .* is not implemented yet"),
-    (dict(outer_dp_sharding_strategy="optim", zero_dp_strategy=3), r"HSDP .* is not implemented yet"),
 ])
 def test_later_issue_features_raise_not_implemented(kwargs, match, dist_env) -> None:
     with pytest.raises(NotImplementedError, match=match):
         fully_shard(*_cnn_and_adam(), **kwargs)
-
-
-def test_tp_and_dp_outer_dims_raise_not_implemented(dist_env) -> None:
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard", "tp"))
-    try:
-        with pytest.raises(NotImplementedError, match=r"tensor parallelism \(tp_dim='tp' of size 2 > 1\) is not implemented"):
-            fully_shard(*_cnn_and_adam(), device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp")
-        with pytest.raises(NotImplementedError, match=r"HSDP"):
-            fully_shard(*_cnn_and_adam(), device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="tp")
-    finally:
-        _destroy(mesh, ["dp_shard", "tp"])
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [

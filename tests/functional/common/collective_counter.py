@@ -1,0 +1,72 @@
+"""Count the collectives a block of code issues, per op and per process group.
+
+HSDP/HFSDP tests assert *where* traffic goes (e.g. the dp_outer all-reduce happens once per
+optimisation cycle, never on accumulation microbatches), which final numbers alone cannot show.
+``CollectiveCounter`` temporarily wraps the ``torch.distributed`` functions the engine calls
+(looked up through the module at call time, so wrapping the module attributes sees every call)
+and restores them on exit, even if the block raises.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch.distributed as dist
+
+OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast")
+
+Key = Tuple[str, Tuple[int, ...]]  # (op name, sorted global ranks of the group)
+
+
+def group_ranks(group: Optional[dist.ProcessGroup]) -> Tuple[int, ...]:
+    """Sorted global ranks of ``group`` (``None`` = the default group)."""
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(sorted(dist.get_process_group_ranks(group)))
+
+
+class _Recorder:
+    """The replacement for one ``torch.distributed`` function: record, then call through."""
+
+    def __init__(self, counter: "CollectiveCounter", op: str, original: Callable[..., Any]) -> None:
+        self.counter, self.op, self.original = counter, op, original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.counter.record(self.op, kwargs.get("group"))
+        return self.original(*args, **kwargs)
+
+
+class CollectiveCounter:
+    """``with CollectiveCounter() as c: ...`` then ``c.count(op, group)`` / ``c.calls``."""
+
+    def __init__(self, ops: Iterable[str] = OPS) -> None:
+        self.ops = tuple(ops)
+        self.calls: List[Key] = []
+        self._saved: Dict[str, Callable[..., Any]] = {}
+
+    def record(self, op: str, group: Optional[dist.ProcessGroup]) -> None:
+        self.calls.append((op, group_ranks(group)))
+
+    def __enter__(self) -> "CollectiveCounter":
+        for op in self.ops:
+            self._saved[op] = getattr(dist, op)
+            setattr(dist, op, _Recorder(self, op, self._saved[op]))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for op, fn in self._saved.items():
+            setattr(dist, op, fn)
+        self._saved.clear()
+
+    def reset(self) -> None:
+        self.calls.clear()
+
+    def count(self, op: Optional[str] = None, group: Optional[dist.ProcessGroup] = None,
+              ranks: Optional[Tuple[int, ...]] = None) -> int:
+        """Calls of ``op`` (any op if None) on ``group`` / ``ranks`` (any group if both None)."""
+        want = group_ranks(group) if group is not None else ranks
+        return sum(1 for o, r in self.calls if (op is None or o == op) and (want is None or r == want))
+
+    def summary(self) -> Dict[Key, int]:
+        """{(op, ranks): count}, for assertion messages."""
+        return dict(Counter(self.calls))

@@ -1,0 +1,134 @@
+"""Helpers shared by the mesh-shape suites (``test_mesh_*.py``, ``test_fully_shard_matrix.py``).
+
+No tests live here. Meshes follow the seed's ``build_distributed_environment``: dims
+``(dp_outer, dp_shard, cp, tp)`` with the flattened ``dp`` (outer x shard), ``dp_shard_cp``
+(shard x cp) and ``hsdp`` (outer x shard x cp) dims. Building a mesh creates process groups (a
+collective on every rank, slow on gloo with 8 ranks), so each rank process caches one mesh per
+shape for the whole bucket.
+
+Data: ranks that average their grads together (the shard group, or the hybrid group under HSDP)
+each get a different sample slice, by their position in that group; replicas outside it (TP
+ranks, or dp_outer ranks when dp_outer is not used) get the same data as their counterparts, so
+every replica group must reproduce the single-process reference trained on the union.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DIMS = ("dp_outer", "dp_shard", "cp", "tp")
+
+
+@functools.lru_cache(maxsize=None)
+def seed_mesh(shape: Tuple[int, int, int, int], device_type: str = "cpu") -> DeviceMesh:
+    """The seed's 4-D mesh with its three flattened dims (cached per rank process)."""
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
+    mesh["dp_outer", "dp_shard"]._flatten("dp")
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    mesh["dp_outer", "dp_shard", "cp"]._flatten("hsdp")
+    return mesh
+
+
+def seed_kwargs(mesh: DeviceMesh, outer: Optional[str]) -> Dict[str, Any]:
+    """``fully_shard`` mesh arguments exactly as the seed's ``test_fully_shard`` passes them."""
+    cp = mesh["cp"].size()
+    return dict(device_mesh=mesh, dp_shard_dim="dp_shard_cp" if cp > 1 else "dp_shard",
+                dp_outer_dim="dp_outer" if outer is not None else None, tp_dim="tp",
+                hybrid_fsdp_group=mesh["hsdp"].get_group() if outer is not None else None,
+                outer_dp_sharding_strategy=outer if outer is not None else "no_shard")
+
+
+def data_group(mesh: DeviceMesh, outer: Optional[str]) -> dist.ProcessGroup:
+    """The group whose ranks average grads together (and so must see different data)."""
+    if outer is not None:
+        return mesh["hsdp"].get_group()
+    return mesh["dp_shard_cp" if mesh["cp"].size() > 1 else "dp_shard"].get_group()
+
+
+def data_position(group: dist.ProcessGroup) -> Tuple[int, int]:
+    """(this rank's position in ``group``, group size)."""
+    ranks = dist.get_process_group_ranks(group)
+    return ranks.index(dist.get_rank()), len(ranks)
+
+
+def full_params(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Full fp32 copies of the wrapped model's params (a collective over each param's mesh)."""
+    return {n: p.full_tensor().detach().float().cpu().clone() for n, p in model.module.named_parameters()}
+
+
+def full_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    out = {}
+    for n, p in model.module.named_parameters():
+        if p.grad is not None:
+            out[n] = p.grad.full_tensor().detach().float().cpu().clone()
+    return out
+
+
+def assert_same_on_all_ranks(tensors: Dict[str, torch.Tensor], what: str) -> None:
+    """Every rank holds the same values (replicas across dp_outer / tp / cp must agree)."""
+    names = sorted(tensors)
+    flat = torch.cat([tensors[n].reshape(-1).double() for n in names]) if names else torch.zeros(1)
+    lo, hi = flat.clone(), flat.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    spread = (hi - lo).abs().max().item()
+    assert spread <= 1e-6 * max(1.0, flat.abs().max().item()), f"{what} differ across ranks by {spread:.3g}"
+
+
+def relative_errors(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> Tuple[float, str]:
+    """Largest per-tensor ``||a-e|| / max(||e||, 1e-6)`` and where."""
+    assert set(actual) == set(expected), f"names differ: {sorted(set(actual) ^ set(expected))}"
+    worst, where = 0.0, ""
+    for n, e in expected.items():
+        err = ((actual[n].double() - e.double()).norm() / e.double().norm().clamp_min(1e-6)).item()
+        if err > worst:
+            worst, where = err, n
+    return worst, where
+
+
+def losses_close(actual: List[float], expected: List[float], rtol: float) -> bool:
+    return all(abs(a - b) <= rtol * max(abs(b), 1e-6) for a, b in zip(actual, expected)) and \
+        len(actual) == len(expected)
+
+
+def _reference_local(p: Any, full: torch.Tensor) -> torch.Tensor:
+    """The part of ``full`` that DTensor ``p`` holds on this rank (``Shard(0)`` = torch.chunk
+    semantics, trailing ranks may be empty; ``Replicate()`` = everything)."""
+    from torch.distributed.tensor import Shard
+
+    local = full
+    for mesh_dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            n, r = p.device_mesh.size(mesh_dim), p.device_mesh.get_local_rank(mesh_dim)
+            chunks = torch.chunk(local, n, dim=placement.dim)
+            local = chunks[r] if r < len(chunks) else local.narrow(placement.dim, 0, 0)
+    return local
+
+
+def sharded_max_error(model: torch.nn.Module, expected: Dict[str, torch.Tensor], grads: bool = False
+                      ) -> Tuple[float, str]:
+    """Largest per-tensor ``||local - expected_local|| / ||expected||`` over all ranks, comparing
+    each rank's local shards only (one all-reduce instead of one all-gather per param)."""
+    worst, where = 0.0, ""
+    names = []
+    for n, p in model.module.named_parameters():
+        t = p.grad if grads else p
+        if t is None:
+            assert n not in expected, f"{n}: no {'grad' if grads else 'value'} but the reference has one"
+            continue
+        names.append(n)
+        e = expected[n].double()
+        local = t.to_local().detach().double().cpu()
+        ref_local = _reference_local(p, e)
+        assert local.shape == ref_local.shape, f"{n}: local shape {tuple(local.shape)} vs {tuple(ref_local.shape)}"
+        err = ((local - ref_local).norm() / e.norm().clamp_min(1e-6)).item()
+        if err > worst:
+            worst, where = err, n
+    assert sorted(names) == sorted(expected), f"names differ: {sorted(set(names) ^ set(expected))}"
+    agreed = torch.tensor([worst], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return agreed.item(), where

@@ -1,0 +1,169 @@
+"""Context-parallel and (plain-model) tensor-parallel mesh dims on 4 ranks (issue 4).
+
+CP: a per-token model (no mixing across positions, so a sequence can be split) is trained with
+the ranks of the ``cp`` dim seeing different sequence chunks of the same samples; with
+``dp_shard_dim='dp_shard_cp'`` their grads are averaged together with the data-parallel ones, so
+the result must equal a single-process model trained on the full sequences of all samples.
+TP: a plain model is replicated over a ``tp`` dim of size 2; TP ranks see the same data, so
+data-parallel semantics are unchanged and training must match the reference over the dp ranks.
+
+Every case: 3 steps x 2 accumulation microbatches (no sync, then sync), SGD with momentum,
+per-step loss and final params vs the reference at 1e-5 relative (fp32).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from fsdp_impl import fully_shard
+from tests.functional.common.collective_counter import CollectiveCounter, group_ranks
+from tests.functional.common.models import build_model, loss_fn, unit_classes
+from tests.functional.common.reference import global_batch, make_optimizer
+from tests.functional.test_mesh_support import (assert_same_on_all_ranks, data_position, full_params,
+                                                relative_errors, seed_kwargs, seed_mesh)
+
+pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
+
+RTOL = 1e-5
+STEPS, MICRO, SAMPLES_PER_DP, SEQ, D = 3, 2, 2, 4, 4
+Batch = Tuple[Tuple[torch.Tensor, ...], torch.Tensor]
+
+
+class TokenBlock(nn.Module):
+    """Residual per-token MLP: position i's output depends only on position i."""
+
+    def __init__(self, d: int = D, hidden: int = 8) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class TokenModel(nn.Module):
+    def __init__(self, d: int = D, layers: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([TokenBlock(d) for _ in range(layers)])
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, seq, d)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _token_model() -> nn.Module:
+    torch.manual_seed(0)
+    return TokenModel()
+
+
+def _token_batch(step: int, n: int) -> Batch:
+    gen = torch.Generator().manual_seed(500 + step)
+    return (torch.randn(n, SEQ, D, generator=gen),), torch.randn(n, SEQ, 3, generator=gen)
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _reference(build: Callable[[], nn.Module], batch: Callable[[int, int], Batch], loss: Callable,
+               n: int) -> Tuple[List[float], dict]:
+    model = build()
+    opt = make_optimizer("sgd", model.named_parameters())
+    losses = []
+    for step in range(STEPS):
+        inputs, target = batch(step, n)
+        value = loss(model(*inputs), target)
+        value.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(value.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _train(build, batch, loss, units, mesh, outer: Optional[str], strategy, split_seq: bool,
+           counter: Optional[CollectiveCounter] = None):
+    """This rank trains on its samples (by dp position) and, if ``split_seq``, its sequence chunk
+    (by cp position); TP ranks get identical data."""
+    model = build()
+    opt = make_optimizer("sgd", model.named_parameters())
+    fsdp_model, opt = fully_shard(model, opt, fsdp_unit_modules=units, zero_dp_strategy=strategy,
+                                  **seed_kwargs(mesh, outer))
+    assert_same_on_all_ranks(full_params(fsdp_model), "initial params")
+    dp_pos, dp_n = data_position(mesh["dp"].get_group())
+    cp_pos, cp_n = data_position(mesh["cp"].get_group())
+    per = SAMPLES_PER_DP // MICRO
+    losses = []
+    for step in range(STEPS):
+        inputs, target = batch(step, dp_n * SAMPLES_PER_DP)
+        total = torch.zeros(())
+        for m in range(MICRO):
+            lo = dp_pos * SAMPLES_PER_DP + m * per
+            xs, y = [x[lo:lo + per] for x in inputs], target[lo:lo + per]
+            if split_seq:
+                xs, y = [x.chunk(cp_n, dim=1)[cp_pos] for x in xs], y.chunk(cp_n, dim=1)[cp_pos]
+            fsdp_model.set_model_auto_sync(m == MICRO - 1)
+            with counter if counter is not None else _Null():
+                value = loss(fsdp_model(*xs), y) / MICRO
+                value.backward()
+            total += value.detach()
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        losses.append(total.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, full_params(fsdp_model), fsdp_model
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _assert_parity(losses, final, ref_losses, ref_params) -> None:
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= RTOL * abs(b), f"losses {losses} vs reference {ref_losses}"
+    err, where = relative_errors(final, ref_params)
+    assert err <= RTOL, f"param {where}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("mesh_shape,outer", [((1, 2, 2, 1), None), ((2, 1, 2, 1), "no_shard"),
+                                              ((2, 1, 2, 1), "optim")], ids=["fsdp", "hsdp", "hfsdp"])
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_cp_sequence_chunks_match_full_sequence(mesh_shape, outer, strategy, dist_env) -> None:
+    if outer == "optim" and strategy != "optim_grads_params":
+        pytest.skip("outer 'optim' requires inner 'optim_grads_params'/3")
+    mesh = seed_mesh(mesh_shape)
+    counter = CollectiveCounter()
+    losses, final, model = _train(_token_model, _token_batch, _mse, [TokenBlock], mesh, outer, strategy,
+                                  split_seq=True, counter=counter)
+    n_samples = mesh["dp"].size() * SAMPLES_PER_DP
+    _assert_parity(losses, final, *_reference(_token_model, _token_batch, _mse, n_samples))
+    cp_ranks = group_ranks(mesh["cp"].get_group())
+    shard = group_ranks(model.dist_index.get_fsdp_group())
+    assert set(cp_ranks) <= set(shard), "cp ranks must be inside the dp_shard_cp group"
+    reduced = {r for op, r in counter.calls if op == "reduce_scatter_tensor"}
+    assert reduced and all(set(cp_ranks) <= set(r) for r in reduced), f"grads not reduced over cp: {reduced}"
+
+
+@pytest.mark.parametrize("mesh_shape,outer", [((1, 2, 1, 2), None), ((2, 1, 1, 2), "no_shard")],
+                         ids=["fsdp_tp2", "hsdp_tp2"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_tp_dim_replicates_plain_models(mesh_shape, outer, strategy, dist_env) -> None:
+    mesh = seed_mesh(mesh_shape)
+    build = lambda: build_model("cnn", seed=0)  # noqa: E731
+    batch = lambda step, n: global_batch("cnn", step, n, torch.float32)  # noqa: E731
+    counter = CollectiveCounter()
+    losses, final, model = _train(build, batch, loss_fn("cnn"), list(unit_classes("cnn")), mesh, outer,
+                                  strategy, split_seq=False, counter=counter)
+    n_samples = mesh["dp"].size() * SAMPLES_PER_DP
+    _assert_parity(losses, final, *_reference(build, batch, loss_fn("cnn"), n_samples))
+    tp = model.dist_index.get_tp_group()
+    assert tp is not None and group_ranks(tp) == group_ranks(mesh["tp"].get_group())
+    assert counter.count(group=tp) == 0, f"FSDP must not communicate over tp: {counter.summary()}"
