@@ -27,6 +27,20 @@ class DataParallelBuffer:
     def dtype(self) -> torch.dtype:
         return self.data.dtype
 
+    @property
+    def is_allocated(self) -> bool:
+        return self.data.untyped_storage().size() > 0 or self.data.numel() == 0
+
+    def free(self) -> None:
+        """Release the storage (``data`` keeps its shape and dtype); views become invalid."""
+        self.data.untyped_storage().resize_(0)
+
+    def ensure_allocated(self) -> None:
+        """Re-allocate a freed buffer, zero-filled."""
+        if not self.is_allocated:
+            self.data.untyped_storage().resize_(self.data.numel() * self.data.element_size())
+            self.data.zero_()
+
     def local_view(self, index: int) -> torch.Tensor:
         """This rank's shard of parameter ``index`` as a view into ``data``."""
         return self.layout.local_view(self.data, index, self.rank)

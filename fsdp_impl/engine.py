@@ -152,9 +152,9 @@ class FSDPEngine:
         comm.all_reduce_max(flags, self.ctx.group)
         return [n for n, f in zip(names, flags.tolist()) if f]
 
-    def zero_grad_buffers(self) -> None:
+    def zero_grad_buffers(self, free: bool = False) -> None:
         for unit in self.units:
-            unit.zero_grad_buffers()
+            unit.zero_grad_buffers(free)
 
 
 class _PreBackward:

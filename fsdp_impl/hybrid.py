@@ -144,5 +144,9 @@ class OuterGradReducer:
         """``grad_buffers``: the units' ``DataParallelBuffer``s (``None`` for frozen-only units),
         in the engine's unit order, identical on every rank."""
         for buf in grad_buffers:
-            if buf is not None and buf.data.numel():
-                comm.all_reduce_avg(buf.data, self.group)
+            if buf is None or not buf.data.numel():
+                continue
+            ensure = getattr(buf, "ensure_allocated", None)  # zero_grad(set_to_none) may free it
+            if ensure is not None:
+                ensure()
+            comm.all_reduce_avg(buf.data, self.group)

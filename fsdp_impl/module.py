@@ -65,7 +65,7 @@ class FullyShardedModule(nn.Module):
         self._fsdp_engine.zero_grad_buffers()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.zero_grad_buffer()
+        self._fsdp_engine.zero_grad_buffers(free=set_to_none)
         super().zero_grad(set_to_none=set_to_none)
         if self._fsdp_engine.use_decoupled_grad:
             reset_decoupled_grads(self.parameters(), set_to_none)

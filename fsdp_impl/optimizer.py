@@ -43,7 +43,7 @@ class _FSDPOptimizerMixin:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for engine in self._fsdp_engines:
-            engine.zero_grad_buffers()
+            engine.zero_grad_buffers(free=set_to_none)
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
         if any(e.use_decoupled_grad for e in self._fsdp_engines):
             reset_decoupled_grads((p for g in self.param_groups for p in g["params"]), set_to_none)  # type: ignore[attr-defined]

@@ -252,11 +252,10 @@ class FSDPUnit:
             self._pending = None
         elif sync:
             full = self._full_accumulator().to(comm_dtype)
-            if full.data_ptr() == self._accumulator.data_ptr():
-                full = full.clone()
-            self._accumulator.zero_()
+            self._accumulator = None  # full-size: only held while a cycle accumulates
         else:
             return
+        self.grad.ensure_allocated()
         stream = self.ctx.streams.reduce
         with stream.use():
             if strategy == ShardingStrategy.NO_SHARD:
@@ -282,7 +281,10 @@ class FSDPUnit:
         Same dtype: a persistent DTensor view of the grad buffer. Different dtype (e.g. fp32 grads
         for bf16 main params): a cast copy, because torch requires ``grad.dtype == param.dtype``.
         """
+        if self.grad is None:
+            return
         sharded = self.ctx.strategy != ShardingStrategy.NO_SHARD
+        self.grad.ensure_allocated()
         for p in self.trainable:
             i = p.grad_index
             current = getattr(p.sharded, "decoupled_grad" if decoupled else "grad", None)
@@ -299,11 +301,18 @@ class FSDPUnit:
             else:
                 p.sharded.grad = g
 
-    def zero_grad_buffers(self) -> None:
+    def zero_grad_buffers(self, free: bool = False) -> None:
+        """Zero the grad buffer, or with ``free`` (``zero_grad(set_to_none=True)``) release it
+        until the next reduction re-allocates it: like FSDP2 dropping sharded grads, this keeps
+        grad memory out of the next forward's activation peak. ``free=False`` keeps the installed
+        ``.grad`` objects as views of the same storage (needed for CUDA-graph capture)."""
         if self.grad is not None:
-            self.grad.data.zero_()
-        if self._accumulator is not None:
-            self._accumulator.zero_()
+            if free:
+                self.grad.free()
+                self._grad_cache = [None] * len(self.trainable)
+            elif self.grad.is_allocated:
+                self.grad.data.zero_()
+        self._accumulator = None
 
     def nan_grad_flags(self) -> List[torch.Tensor]:
         """Per trainable param, a 0-dim int tensor: does this rank's grad shard hold a NaN?"""

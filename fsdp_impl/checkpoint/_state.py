@@ -147,8 +147,9 @@ def check_optimizer_matches(saved: Mapping[str, Any], model: nn.Module, optimize
         )
     problems: list[str] = []
     for g, (old, new) in enumerate(zip(saved_groups, current)):
-        missing = [n for n in new if n not in set(old)]
-        extra = [n for n in old if n not in set(new)]
+        old_set, new_set = set(old), set(new)
+        missing = [n for n in new if n not in old_set]
+        extra = [n for n in old if n not in new_set]
         problems += [f"group {g}: parameter '{n}' is not in the checkpoint's group" for n in missing]
         problems += [f"group {g}: checkpoint parameter '{n}' is not in the optimizer's group" for n in extra]
     if problems:

@@ -25,15 +25,19 @@ parameters after 2 resumed steps.  A wrong resume is far outside: weights not re
 random moments change the first loss by > 1e-2, a step count off by one changes Adam's bias
 correction and the parameters by ~1e-3 relative.
 
-Buckets run in collection order within one controller; every test carries the same
-``xdist_group`` so ``pytest -n K`` keeps the save buckets before the resume buckets on one
-worker.  A resume test whose checkpoint was not produced in this session (e.g. run alone with
-``-k``) skips with a reason that says so.
+Buckets run in collection order within one controller.  Under ``pytest -n K`` the harness puts
+each bucket in its own xdist group, so a save bucket may run on another worker at the same time
+as the resume bucket: the save test marks each case as started and writes its record
+atomically, and a resume test waits (up to ``RECORD_WAIT_S``) for a started case's record.  A
+resume test whose checkpoint was not produced in this session (e.g. run alone with ``-k``)
+skips with a reason that says so.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -53,9 +57,13 @@ LR = 1e-2
 RESUME_LR = 0.5  # a fresh optimizer with the wrong lr: the load must restore the saved one
 CROSS_RTOL = 1e-5
 HSDP_SKIP = "HSDP not implemented yet (issue 4)"
+RECORD = "record.pt"
+STARTED = "save-started"
+FAILED = "save-failed"
+RECORD_WAIT_S = 150.0  # < RESUME_TIMEOUT_S: one save test's duration on a loaded 2-core CPU box
+RESUME_TIMEOUT_S = 300.0
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 MODELS = ("cnn", "transformer")
-ORDERED = pytest.mark.xdist_group("fsdp-checkpoint-resume")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +197,26 @@ def run_and_record(case: Case, dist_env: Any, root: Path) -> None:
     """The uninterrupted run: save after K_SAVE steps, record everything the resume checks."""
     target = case_dir(root, dist_env.world_size, case)
     model, optimizer = wrap(case, dist_env.device, seed=0)
+    if dist_env.rank == 0:
+        target.mkdir(parents=True, exist_ok=True)
+        (target / STARTED).touch()  # tells a resume test on another xdist worker to wait
+    try:
+        losses, at_save, final = _train_with_checkpoint(case, model, optimizer, dist_env, target)
+    except BaseException:
+        if dist_env.rank == 0:
+            (target / FAILED).touch()  # the resume test stops waiting and skips
+        raise
+    if dist_env.rank == 0:
+        partial = target / (RECORD + ".partial")
+        torch.save({"losses": losses, "at_save": at_save, "final": final, "lr": learning_rates(optimizer)},
+                   partial)
+        os.replace(partial, target / RECORD)  # readers never see a half-written record
+    dist.barrier()
+
+
+def _train_with_checkpoint(case: Case, model: torch.nn.Module, optimizer: Any, dist_env: Any,
+                           target: Path) -> tuple:
+    """N_STEPS steps with a save before step K_SAVE: (losses, state at save, final state)."""
     losses: List[float] = []
     at_save: Dict[str, torch.Tensor] = {}
     for step in range(N_STEPS):
@@ -197,18 +225,27 @@ def run_and_record(case: Case, dist_env: Any, root: Path) -> None:
                             extra={"next_step": step, "losses": list(losses)})
             at_save = full_state(model, optimizer)
         losses.append(train_step(model, optimizer, case.model, step, dist_env.device))
-    final = full_state(model, optimizer)
-    if dist_env.rank == 0:
-        torch.save({"losses": losses, "at_save": at_save, "final": final, "lr": learning_rates(optimizer)},
-                   target / "record.pt")
-    dist.barrier()
+    return losses, at_save, full_state(model, optimizer)
 
 
 def load_record(target: Path, source: str) -> Dict[str, Any]:
-    """The save test's record (same verdict on every rank: the directory is shared)."""
-    record = target / "record.pt"
-    if not record.is_file():
-        pytest.skip(f"no checkpoint from {source} in this session ({record} missing): run the whole module")
+    """The save test's record; skip (identically on all ranks) when this session has none.
+
+    Buckets run in collection order within one controller, but under ``pytest -n`` the save
+    bucket may still be running on another worker: if it has started this case, wait for it.
+    """
+    record = target / RECORD
+    found = record.is_file()
+    if dist.get_rank() == 0 and not found and (target / STARTED).exists():
+        deadline = time.monotonic() + RECORD_WAIT_S
+        while not found and not (target / FAILED).exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+            found = record.is_file()
+    box = [found]
+    dist.broadcast_object_list(box, src=0)  # one verdict, or ranks would split between skip and run
+    if not box[0]:
+        pytest.skip(f"no checkpoint from {source} in this session ({record} missing): run the save "
+                    "tests of this module in the same session, before the resume tests")
     return torch.load(record, weights_only=False)
 
 
@@ -259,45 +296,39 @@ CROSS_2_TO_4 = [  # (saved on 2 ranks, loaded on 4 ranks)
 ]
 
 
-@ORDERED
 @pytest.mark.distributed(world_size=4, bucket="ckpt-save-ws4")
 @pytest.mark.parametrize("case", MATRIX, ids=str)
 def test_save_uninterrupted_run(case: Case, dist_env: Any, session_shared_tmp_path: Path) -> None:
     run_and_record(case, dist_env, session_shared_tmp_path)
 
 
-@ORDERED
 @pytest.mark.distributed(world_size=2, bucket="ckpt-save-ws2")
 @pytest.mark.parametrize("case", SAVED_ON_2, ids=str)
 def test_save_uninterrupted_run_on_2_ranks(case: Case, dist_env: Any, session_shared_tmp_path: Path) -> None:
     run_and_record(case, dist_env, session_shared_tmp_path)
 
 
-@ORDERED
-@pytest.mark.distributed(world_size=4, bucket="ckpt-resume-ws4")
+@pytest.mark.distributed(world_size=4, bucket="ckpt-resume-ws4", timeout=RESUME_TIMEOUT_S)
 @pytest.mark.parametrize("case", MATRIX, ids=str)
 def test_resume_is_bit_exact(case: Case, dist_env: Any, session_shared_tmp_path: Path) -> None:
     resume_and_compare(case, 4, case, dist_env, session_shared_tmp_path, rtol=None)
 
 
-@ORDERED
-@pytest.mark.distributed(world_size=4, bucket="ckpt-resume-ws4")
+@pytest.mark.distributed(world_size=4, bucket="ckpt-resume-ws4", timeout=RESUME_TIMEOUT_S)
 @pytest.mark.parametrize("saved,loaded", CROSS_2_TO_4, ids=str)
 def test_resume_2_ranks_checkpoint_on_4_ranks(saved: Case, loaded: Case, dist_env: Any,
                                               session_shared_tmp_path: Path) -> None:
     resume_and_compare(saved, 2, loaded, dist_env, session_shared_tmp_path, rtol=CROSS_RTOL)
 
 
-@ORDERED
-@pytest.mark.distributed(world_size=2, bucket="ckpt-resume-ws2")
+@pytest.mark.distributed(world_size=2, bucket="ckpt-resume-ws2", timeout=RESUME_TIMEOUT_S)
 @pytest.mark.parametrize("saved,loaded", CROSS_4_TO_2, ids=str)
 def test_resume_4_ranks_checkpoint_on_2_ranks(saved: Case, loaded: Case, dist_env: Any,
                                               session_shared_tmp_path: Path) -> None:
     resume_and_compare(saved, 4, loaded, dist_env, session_shared_tmp_path, rtol=CROSS_RTOL)
 
 
-@ORDERED
-@pytest.mark.distributed(world_size=2, bucket="ckpt-resume-ws2")
+@pytest.mark.distributed(world_size=2, bucket="ckpt-resume-ws2", timeout=RESUME_TIMEOUT_S)
 @pytest.mark.parametrize("case", SAVED_ON_2, ids=str)
 def test_resume_is_bit_exact_on_2_ranks(case: Case, dist_env: Any, session_shared_tmp_path: Path) -> None:
     resume_and_compare(case, 2, case, dist_env, session_shared_tmp_path, rtol=None)

@@ -3,7 +3,7 @@ import pytest
 
 from sample_concurrent_a import meet
 
-pytestmark = pytest.mark.distributed(world_size=2)
+pytestmark = pytest.mark.distributed(world_size=2, timeout=450)
 
 
 def test_bucket_b(dist_env, session_shared_tmp_path, record_property):

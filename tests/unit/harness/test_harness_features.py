@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SampleRun, run_samples
+from harness_selftest import SampleRun, run_samples
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SAMPLES, parse_junit
+from harness_selftest import REPO, SAMPLES, parse_junit
 
 
 def _torchrun(tmp_path, nproc: int):

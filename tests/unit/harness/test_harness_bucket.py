@@ -1,7 +1,7 @@
 """A 20-test 4-rank bucket runs in one set of processes and reports 20 results."""
 from __future__ import annotations
 
-from conftest import SampleRun, pid_alive
+from harness_selftest import SampleRun, pid_alive
 
 
 def test_twenty_tests_one_set_of_processes(bucket20_run: SampleRun):

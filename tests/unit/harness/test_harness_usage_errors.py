@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_samples
+from harness_selftest import run_samples
 
 
 @pytest.mark.parametrize("sample, expected", [

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from harness_selftest import REPO
 
 _CHECK = """
 import sys, pytest

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import REPO, SAMPLES, pid_alive
+from harness_selftest import REPO, SAMPLES, pid_alive
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:

@@ -2,12 +2,12 @@
 rendezvous, and with (fake) GPUs each worker leases disjoint GPUs for its bucket."""
 from __future__ import annotations
 
-from conftest import pid_alive, run_samples
+from harness_selftest import pid_alive, run_samples
 
 
 def test_concurrent_buckets_have_distinct_rendezvous_and_gpus(tmp_path):
     run = run_samples(tmp_path, "sample_concurrent_a.py", "sample_concurrent_b.py", args=("-n", "2"),
-                      env={"HARNESS_FAKE_GPUS": "4", "HARNESS_LOCK_DIR": str(tmp_path / "locks")}, timeout=400)
+                      env={"HARNESS_FAKE_GPUS": "4", "HARNESS_LOCK_DIR": str(tmp_path / "locks")}, timeout=900)
     a, b = run.cases["test_bucket_a"], run.cases["test_bucket_b"]
     assert a.outcome == b.outcome == "passed", run.output[-3000:]
     # the tests only pass if both buckets were up at the same time (file rendezvous in the samples)
