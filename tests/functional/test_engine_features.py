@@ -57,6 +57,9 @@ def test_accumulation_grads_absent_until_sync_then_present_everywhere(strategy, 
     opt.step()
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+    # set_to_none=True also releases the grad buffers until the next reduction (memory, like FSDP2)
+    assert not any(g.main_grad_buffer.is_allocated for g in model.param_and_grad_buffer.parameter_groups
+                   if g.main_grad_buffer is not None and g.main_grad_buffer.data.numel())
 
 
 class TinyParams(nn.Module):
