@@ -109,9 +109,12 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Any) -> dict | No
     """Load a checkpoint written by :func:`save` into ``model`` and ``optimizer``; collective.
 
     Works on a freshly wrapped model and a never-stepped optimizer, in any world size or
-    sharding strategy: tensors are loaded in place into the current parameters (so the next
-    forward uses them) and the optimizer state is rebuilt from the checkpoint without a
-    ``step()``.  Returns the ``extra`` dict given to :func:`save`.
+    sharding strategy: DCP reshards into the current parameters' layout, the values are
+    installed through ``model.load_state_dict`` (an in-place update the engine sees, so the next
+    forward uses them), and the optimizer state is rebuilt from the checkpoint without a
+    ``step()``.  Every file is checked against the sizes and SHA-256 recorded at save before
+    anything is copied, so a damaged checkpoint leaves model and optimizer untouched.
+    Returns the ``extra`` dict given to :func:`save` (``None`` if none was given).
     """
     path = _files.as_path(path)
     torch_optimizer = unwrap_optimizer(optimizer)

@@ -52,7 +52,8 @@ def test_failed_save_keeps_previous_checkpoint_and_cleans_up(tmp_path: Path) -> 
     assert checkpoint.load(tmp_path / "ck", fresh.model, fresh.optimizer) == {"v": 1}
 
 
-def test_crash_between_data_and_publish_keeps_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crash_between_data_and_publish_keeps_previous_checkpoint(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Simulate a crash right before the rename: the old checkpoint must stay loadable."""
     from fsdp_impl.checkpoint import _files
 

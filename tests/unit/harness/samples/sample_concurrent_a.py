@@ -15,7 +15,7 @@ def meet(me: str, other: str, where: pathlib.Path, record_property, dist_env) ->
     record_property("pid", os.getpid())
     record_property("cuda_visible_devices", os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
     (where / f"{me}-rank{dist_env.rank}").write_text(str(dist_env.store_port))
-    deadline = time.monotonic() + 400  # generous: rank start-up on a loaded 2-core machine is slow
+    deadline = time.monotonic() + float(os.environ.get("HARNESS_SELFTEST_MEET_S", "400"))  # start-up is slow under load
     while not all((where / f"{other}-rank{r}").exists() for r in range(2)):
         assert time.monotonic() < deadline, f"bucket {other} never ran concurrently with bucket {me}"
         time.sleep(0.05)
