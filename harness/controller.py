@@ -30,7 +30,8 @@ class BucketKey:
 
     @property
     def label(self) -> str:
-        return f"{self.name}@ws{self.world_size}"
+        """Also the xdist group name; xdist splits node ids at the last '@', so it must contain none."""
+        return f"{self.name.replace('@', '_')}::ws{self.world_size}"
 
 
 SPEC_KEY = pytest.StashKey[DistSpec]()

@@ -62,12 +62,17 @@ def _ids(case: Tuple[str, str, str, int, bool]) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(model: str, precision: str, opt: str, global_size: int, steps: int
-               ) -> Tuple[List[float], Dict[str, torch.Tensor]]:
-    """Reference run (cached per rank process: it does not depend on strategy/microbatches)."""
+def _reference(model: str, precision: str, opt: str, global_size: int, steps: int, device: str,
+               init_on_device: bool) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+    """Reference run on ``device`` (cached per rank process: independent of strategy/microbatches).
+
+    Meta init materialises on the compute device with that device's RNG (CUDA's stream differs
+    from the CPU's for the same seed), so its reference is built eagerly on that device too;
+    eager FSDP runs build on the CPU, and so does their reference.
+    """
     dtype = PRECISIONS[precision]
-    return train_reference(build_model(model, dtype, seed=0), model, opt, steps, global_size,
-                           main_dtype=torch.float32)
+    module = build_model(model, dtype, seed=0, device=device if init_on_device else None)
+    return train_reference(module.to(device), model, opt, steps, global_size, main_dtype=torch.float32)
 
 
 def _global_relative_error(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> float:
@@ -83,7 +88,7 @@ def _check_case(case: Tuple[str, str, str, int, bool], dist_env) -> None:
                         main_dtype=torch.float32, microbatches=micro, meta_init=meta)
         losses, final, fsdp_model = train_fsdp(cfg, dist_env.device)
         ref_losses, ref_params = _reference(model, precision, opt, dist_env.world_size * cfg.local_batch,
-                                            cfg.steps)
+                                            cfg.steps, str(dist_env.device), meta)
         assert set(final) == set(ref_params), "parameter names differ from the unwrapped model's"
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         if precision == "fp32":

@@ -45,8 +45,13 @@ def global_batch(model_name: str, step: int, global_size: int, dtype: torch.dtyp
 def train_reference(model: nn.Module, model_name: str, opt_kind: str, steps: int, global_size: int,
                     main_dtype: Optional[torch.dtype] = None, lr: float = 1e-2
                     ) -> Tuple[List[float], Dict[str, torch.Tensor]]:
-    """Train ``model`` on the full batch; return per-step losses and final (main) params by name."""
+    """Train ``model`` on the full batch; return per-step losses and final (main) params by name.
+
+    Runs on the device ``model`` lives on (so a GPU run compares like kernels with like); the
+    returned params are on the CPU.
+    """
     compute_dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
     named = list(model.named_parameters())
     separate = main_dtype is not None and main_dtype != compute_dtype
     masters = [(n, nn.Parameter(p.detach().to(main_dtype), requires_grad=p.requires_grad))
@@ -59,6 +64,7 @@ def train_reference(model: nn.Module, model_name: str, opt_kind: str, steps: int
                 for (_, p), (_, m) in zip(named, masters):
                     p.copy_(m)
         inputs, target = global_batch(model_name, step, global_size, compute_dtype)
+        inputs, target = [x.to(device) for x in inputs], target.to(device)
         loss = loss_fn(model_name)(model(*inputs), target)
         loss.backward()
         if separate:
@@ -68,7 +74,7 @@ def train_reference(model: nn.Module, model_name: str, opt_kind: str, steps: int
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: m.detach().clone() for n, m in masters}
+    return losses, {n: m.detach().cpu().clone() for n, m in masters}
 
 
 def max_relative_error(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]
