@@ -111,9 +111,12 @@ class FSDPUnit:
     def version_signature(self) -> int:
         """Sum of the version counters that move when the main weights are edited in place.
 
-        In-place ops on a DTensor (``optimizer.step()``) bump the DTensor's own counter but not
-        its local tensor's (they run below autograd), while direct edits of ``to_local()`` or of
-        the buffer bump only theirs; counters only grow, so the sum changes iff one of them did.
+        In-place ops on a DTensor (``optimizer.step()``, ``copy_``, ``load_state_dict``) bump the
+        DTensor's own counter but not its local tensor's (they run below autograd), while direct
+        edits of ``_local_tensor`` or of the buffer bump only theirs; counters only grow, so the
+        sum changes iff one of them did. Not seen: writes through the alias ``to_local()`` returns
+        (it carries a counter of its own) — DCP loads write that way, which is why
+        ``fsdp_impl.checkpoint.load`` finishes with ``model.load_state_dict``.
         """
         total = self.weight.data._version
         for p in self.params:
