@@ -157,3 +157,19 @@ def gathered_full_params(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
             out[n] = torch.cat([o[n] for o in ordered], dim=0) if sharded else ordered[0][n]
             assert tuple(out[n].shape) == tuple(p.shape), f"{n}: gathered {tuple(out[n].shape)} vs {tuple(p.shape)}"
     return out
+
+
+def sharded_model_error(model: torch.nn.Module, expected: Dict[str, torch.Tensor], grads: bool = False) -> float:
+    """Whole-model ``||local diffs|| / ||expected||`` (all params together), max over ranks: not
+    dominated by near-zero tensors (e.g. LayerNorm biases) whose per-tensor error is noise."""
+    num, den = 0.0, 0.0
+    for n, p in model.module.named_parameters():
+        t = p.grad if grads else p
+        if t is None or n not in expected:
+            continue
+        e = expected[n].double()
+        num += ((t.to_local().detach().double().cpu() - _reference_local(p, e)) ** 2).sum().item()
+        den += (e ** 2).sum().item()
+    agreed = torch.tensor([(num / max(den, 1e-24)) ** 0.5], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return agreed.item()
