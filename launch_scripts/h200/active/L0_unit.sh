@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU_COUNT=8
+# GPU_COUNT=2
 # CI_TIMEOUT=20
 # Tier L0 (every change): the unit suites (pieces, policies, the harness's own behaviour).
-# Generation h200: 8 GPUs; xdist workers: 4.
+# Generation h200: 2 GPUs (the device tool lends 1 or 2 H200s; more GPUs are fine); xdist workers: 2.
 set -euo pipefail
 # shellcheck source=../../common.sh source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/../../common.sh"
-harness_init h200 4
+harness_init h200 2
 harness_run_pytest tests/unit

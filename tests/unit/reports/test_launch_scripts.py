@@ -142,8 +142,10 @@ def test_generation_mismatch_fails_or_warns(tmp_path) -> None:
 
 
 def test_too_few_gpus_and_no_gpu_fail(tmp_path) -> None:
-    proc = run_script(SCRIPTS / "h200/active/L0_unit.sh", fake_node(tmp_path, GPU_NAMES["h200"], 4))
+    proc = run_script(SCRIPTS / "h200/active/L1_functional.sh", fake_node(tmp_path, GPU_NAMES["h200"], 4))
     assert proc.returncode == 3 and "needs 8 h200 GPU(s) but the node has 4" in proc.stderr
+    proc = run_script(SCRIPTS / "h200/active/L0_unit.sh", fake_node(tmp_path, GPU_NAMES["h200"], 1))
+    assert proc.returncode == 3 and "needs 2 h200 GPU(s) but the node has 1" in proc.stderr
     proc = run_script(SCRIPTS / "gb200/active/L0_unit.sh", fake_node(tmp_path, None))
     assert proc.returncode == 3 and "the node has: cpu (0 GPU(s))" in proc.stderr
 
