@@ -49,10 +49,14 @@ def cpu_placement() -> Placement:
 
 
 def gpu_placement(gpu_ids: tuple[int, ...]) -> Placement:
-    """NCCL on the leased GPUs; gloo on CPU when the GPUs are fake (``HARNESS_FAKE_GPUS``, no CUDA)."""
+    """NCCL on the leased GPUs; gloo on CPU when the GPUs are fake (``HARNESS_FAKE_GPUS``) or absent.
+
+    Fake GPU ids exist only to test the lease scheduling; on a real GPU node they may name devices
+    that do not exist, so they never select NCCL.
+    """
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and os.environ.get("HARNESS_FAKE_GPUS", "") == "":
         return Placement(backend="nccl", device_type="cuda", gpu_ids=gpu_ids)
     return Placement(backend="gloo", device_type="cpu", gpu_ids=gpu_ids)
 

@@ -52,8 +52,11 @@ class TorchrunSession:
         self.config = config
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
+        # Every rank must choose the same backend: NCCL only when each local rank has its own GPU
+        # (4 ranks on a 2-GPU node run gloo on CPU instead of half of them waiting forever).
         use_cuda = torch.cuda.is_available() and not backend_mod.force_cpu(config) \
-            and torch.cuda.device_count() > local_rank
+            and torch.cuda.device_count() >= local_world
         backend = "nccl" if use_cuda else "gloo"
         if use_cuda:
             torch.cuda.set_device(local_rank)

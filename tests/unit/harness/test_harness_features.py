@@ -38,7 +38,28 @@ def test_skip_xfail_and_disagreement(features_run: SampleRun):
 ])
 def test_requirement_skips_name_what_is_missing(features_run: SampleRun, name, reason):
     case = features_run.cases[name]
+    if _requirement_met_here(name):  # a GPU node: the requirement holds, so the test must run and pass
+        assert case.outcome == "passed", case.text[:1500]
+        return
     assert case.outcome == "skipped" and reason in case.message, case.message
+
+
+def _requirement_met_here(name: str) -> bool:
+    """Whether this machine satisfies the sample's requirement (2 ranks, one GPU each)."""
+    import importlib.util
+    import os
+
+    import torch
+
+    if name == "test_needs_te":
+        return importlib.util.find_spec("transformer_engine") is not None
+    if os.environ.get("HARNESS_FORCE_CPU", "") not in ("", "0"):
+        return False
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return False
+    if name == "test_needs_hopper":
+        return min(torch.cuda.get_device_capability(i) for i in range(2)) >= (9, 0)
+    return True
 
 
 def test_forked_crash_reported_by_pytest_forked(features_run: SampleRun):

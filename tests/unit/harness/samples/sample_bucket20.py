@@ -12,6 +12,6 @@ pytestmark = pytest.mark.distributed(world_size=4)
 def test_trivial(i, dist_env, record_property):
     record_property("pid", os.getpid())
     record_property("controller_pid", os.getppid())
-    t = torch.tensor([float(dist_env.rank + i)])
+    t = torch.tensor([float(dist_env.rank + i)], device=dist_env.device)
     dist.all_reduce(t)
     assert t.item() == 6.0 + 4 * i

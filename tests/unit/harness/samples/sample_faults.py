@@ -26,7 +26,7 @@ def _pid(record_property) -> None:
 
 def test_ok_before(dist_env, record_property):
     _pid(record_property)
-    t = torch.tensor([float(dist_env.rank)])
+    t = torch.tensor([float(dist_env.rank)], device=dist_env.device)
     dist.all_reduce(t)
     assert t.item() == 3.0
 
@@ -104,7 +104,7 @@ def test_raise_while_blocked(dist_env, record_property):
     _pid(record_property)
     if dist_env.rank == 1:
         raise ValueError("rank one raised before the collective")
-    t = torch.ones(1)
+    t = torch.ones(1, device=dist_env.device)
     dist.all_reduce(t)
 
 

@@ -40,7 +40,7 @@ class TestInRanks:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
     @pytest.mark.parametrize("tag", ["a", None, 3])
     def test_parametrized(self, dtype, tag, dist_env):
-        t = torch.ones(2, dtype=dtype) * (dist_env.rank + 1)
+        t = torch.ones(2, dtype=dtype, device=dist_env.device) * (dist_env.rank + 1)
         dist.all_reduce(t)
         assert t.tolist() == [6.0, 6.0]
 

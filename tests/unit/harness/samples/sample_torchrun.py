@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 @pytest.mark.distributed(world_size=2)
 def test_ws2_sum(dist_env, shared_tmp_path):
-    t = torch.tensor([float(dist_env.rank)])
+    t = torch.tensor([float(dist_env.rank)], device=dist_env.device)
     dist.all_reduce(t)
     assert t.item() == 1.0
     (shared_tmp_path / f"r{dist_env.rank}").write_text("x")
@@ -24,7 +24,7 @@ def test_ws4_rank2_fails(dist_env):
 
 @pytest.mark.distributed(world_size=4)
 def test_ws4_passes(dist_env):
-    t = torch.ones(1)
+    t = torch.ones(1, device=dist_env.device)
     dist.all_reduce(t)
     assert t.item() == 4.0
 
