@@ -72,7 +72,9 @@ def run_samples(tmp: pathlib.Path, *names: str, args: tuple[str, ...] = (), env:
     junit = tmp / "junit.xml"
     cmd = [sys.executable, "-m", "pytest", *[str(SAMPLES / n) for n in names], "-p", "no:cacheprovider",
            "-q", "-rA", f"--junitxml={junit}", f"--basetemp={tmp / 'basetemp'}", *args]
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    # Hermetic: the outer run's harness settings (CI exports HARNESS_FORCE_CPU=1) must not change
+    # what a sample run sees; a self-test that wants one passes it in ``env``.
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HARNESS_"))}
     full_env.update(env or {})
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     cases = parse_junit(junit) if junit.exists() else {}

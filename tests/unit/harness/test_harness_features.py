@@ -47,14 +47,11 @@ def test_requirement_skips_name_what_is_missing(features_run: SampleRun, name, r
 def _requirement_met_here(name: str) -> bool:
     """Whether this machine satisfies the sample's requirement (2 ranks, one GPU each)."""
     import importlib.util
-    import os
 
     import torch
 
     if name == "test_needs_te":
         return importlib.util.find_spec("transformer_engine") is not None
-    if os.environ.get("HARNESS_FORCE_CPU", "") not in ("", "0"):
-        return False
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         return False
     if name == "test_needs_hopper":
