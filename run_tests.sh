@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (README quick start, step 2; .ci/run calls exactly this).
 # Creates or reuses .venv, installs torch (CPU build when no NVIDIA GPU is present) and the project with its
-# test extras, then runs the unit and functional suites and writes JUnit XML under results/.
+# test extras, then runs the CPU L0 tier (unit suites + known-bug regression tests, with a sign-off
+# report) and the rest of the functional suites, writing JUnit XML under results/. With arguments,
+# it runs plain pytest with them instead (e.g. bash run_tests.sh tests/unit/fsdp -x).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -36,11 +38,24 @@ print(f"[run_tests] pytest {pytest.__version__} (pinned <9.2 for pytest-forked)"
 PY
 
 mkdir -p "$OUT"
-set +e
-python -m pytest tests -q -rfEs --junitxml="$OUT/tests.xml" "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then
-    echo "[run_tests] no tests were collected" >&2
+if [ "$#" -gt 0 ]; then
+    # Developer mode: plain pytest with the given arguments.
+    exec python -m pytest -rfEs "$@"
 fi
+
+# The whole suite, split so that the CPU L0 tier (tests/unit + the known-bug regression tests,
+# with its sign-off report in $OUT/signoff.md) runs exactly as launch_scripts/cpu runs it,
+# followed by the rest of tests/functional.
+rc=0
+HARNESS_OUT_DIR="$OUT" bash launch_scripts/run_tier.sh L0 --gen cpu || rc=$?
+echo "[run_tests] L0 tier (cpu) exit status $rc; sign-off report: $OUT/signoff.md"
+set +e
+python -m pytest tests/functional -m "not regression" -q -rfEs --junitxml="$OUT/functional.xml"
+frc=$?
+set -e
+if [ "$frc" -eq 5 ]; then
+    echo "[run_tests] no functional tests outside the L0 tier were collected" >&2
+    frc=0
+fi
+[ "$rc" -eq 0 ] && rc=$frc
 exit "$rc"
