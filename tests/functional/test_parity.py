@@ -20,7 +20,8 @@ Tolerances
 
 The default run covers, for every strategy x world size x model, one fp32 case (1 microbatch,
 eager init) and one bf16 case (3 microbatches, meta init where allowed), each with both
-optimizers. ``FSDP_PARITY_FULL=1`` runs the full cartesian product of the issue (slow on CPU).
+optimizers. ``FSDP_PARITY_FULL=1`` (or the L2 tier's ``HARNESS_FULL_MATRIX=1``) runs the full
+cartesian product of the issue (slow on CPU).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ BF16_PARAM_RTOL = 1e-2
 
 def _cases() -> List[Tuple[str, str, str, int, bool]]:
     """(strategy, model, precision, microbatches, meta_init) for one world size."""
-    if os.environ.get("FSDP_PARITY_FULL") == "1":
+    if "1" in (os.environ.get("FSDP_PARITY_FULL"), os.environ.get("HARNESS_FULL_MATRIX")):
         full = itertools.product(STRATEGIES, MODELS, PRECISIONS, (1, 3), (False, True))
         return [c for c in full if not (c[0] == "no_shard" and c[4])]
     cases = []
