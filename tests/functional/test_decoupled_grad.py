@@ -10,8 +10,8 @@ The two regression tests are named after the Megatron-FSDP failures in
 shared/seeds/000 (a segfault clipping a None ``decoupled_grad``; a silent no-op step when the
 buffer wrote ``decoupled_grad`` but the optimizer read ``.grad``).
 
-TODO(HSDP issue): add outer strategies (dp_outer no_shard/optim on 2-D meshes) once the engine
-supports them; only inner strategies 0-3 on a 1-D mesh are covered here.
+Outer strategies (HSDP: dp_outer no_shard, HFSDP: dp_outer optim) are covered by
+``test_decoupled_grad_outer.py``; this file covers inner strategies 0-3 on a 1-D mesh.
 """
 
 from __future__ import annotations
