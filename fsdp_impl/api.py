@@ -18,7 +18,7 @@ from .device import CommStreams, pick_device
 from .discovery import UnitSpec, assign_params, find_unit_modules, resolve_unit_classes
 from .engine import FSDPEngine
 from .hooks import register_hooks
-from .hybrid import OuterGradReducer, check_tp_params, resolve_parallel_dims
+from .hybrid import OuterGradReducer, attach_tp_specs, resolve_parallel_dims
 from .mesh import DistIndex, build_mesh, submesh
 from .meta_init import materialise, sync_rng_from_rank0
 from .module import FullyShardedModule
@@ -123,13 +123,15 @@ def fully_shard_model(
               init_model_with_meta_device, mixed_precision_policy, flags)
     dims = resolve_parallel_dims(mesh, shard_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group,
                                  strategy, outer)
-    check_tp_params(module, dims)
     shard_mesh = dims.shard_mesh  # HFSDP: the hybrid group; else the dp_shard_dim sub-mesh
+    group = dims.shard_group or shard_mesh.get_group()
     found = find_unit_modules(module, classes)
     groups = assign_params(module, [name for name, _ in found])
+    attach_tp_specs(groups, dims)
     device = pick_device(mesh)
-    ctx = UnitContext(strategy, shard_mesh, shard_mesh.get_group(), shard_mesh.get_local_rank(),
-                      shard_mesh.size(), device, mixed_precision_policy, CommStreams(device))
+    ctx = UnitContext(strategy=strategy, shard_mesh=shard_mesh, group=group, plan=dims.plan,
+                      rank=dist.get_rank(group), world=dist.get_world_size(group), device=device,
+                      policy=mixed_precision_policy, streams=CommStreams(device))
     names = [name for name, _ in found] + [""]
     all_units = [FSDPUnit(name or "<root>", group, ctx) for name, group in zip(names, groups)]
     unit_modules = [m for _, m in found]

@@ -9,8 +9,6 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .sharding import FlatLayout
 
@@ -52,13 +50,6 @@ def contiguous_stride(shape: Sequence[int]) -> tuple:
         stride.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(stride))
-
-
-def as_dtensor(local: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], sharded: bool) -> DTensor:
-    """Wrap a local shard as a DTensor: ``Shard(0)`` (torch.chunk semantics) or ``Replicate()``."""
-    placements = [Shard(0)] if sharded else [Replicate()]
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=contiguous_stride(shape))
 
 
 class ParameterGroup:

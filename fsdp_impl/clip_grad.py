@@ -21,6 +21,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Partial, Shard
 
+try:  # dp-over-tp row sharding (fsdp_impl.placement); not a Shard subclass on every torch
+    from torch.distributed.tensor.placement_types import _StridedShard
+    _SHARD_TYPES: tuple = (Shard, _StridedShard)
+except ImportError:  # pragma: no cover - depends on the torch build
+    _SHARD_TYPES = (Shard,)
+
 from fsdp_impl.decoupled import DTensor, grad_attr_name, local_tensor, read_grad
 
 __all__ = ["clip_grad_norm"]
@@ -101,7 +107,7 @@ def _group_grads(params: list[torch.Tensor], use_decoupled: bool) -> list[_Reduc
                     f"placement {placements}; reduce gradients before clipping"
                 )
             mesh = grad.device_mesh
-            shard_dims = tuple(d for d, p in enumerate(placements) if isinstance(p, Shard))
+            shard_dims = tuple(d for d, p in enumerate(placements) if isinstance(p, _SHARD_TYPES))
         else:
             mesh, shard_dims = None, ()
         for group in groups:

@@ -21,7 +21,9 @@ Designs (correct and simple first):
   later optimisation.
 * **TP** (``tp_dim`` of size > 1): a plain model (no DTensor params) is replicated over TP; TP
   ranks see the same data, so their grads are already equal and data-parallel semantics are
-  unchanged. DTensor tensor-parallel params (``parallelize_module``) are not composed yet.
+  unchanged. DTensor tensor-parallel params (``parallelize_module`` on the tp sub-mesh) are
+  sharded by rows of their TP-local tensor; the compute params are TP DTensors again, the
+  sharded params DTensors over (dp dims..., tp) (``fsdp_impl.placement``).
 * **CP**: pass a flattened dp_shard x cp dim as ``dp_shard_dim``; grads of the cp ranks (which
   saw different sequence chunks of the same samples) are then averaged together with the
   data-parallel ones by the ordinary shard-group reduction.
@@ -32,15 +34,13 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from . import comm
 from .mesh import submesh
+from .param import ManagedParam
+from .placement import PlacementPlan, find_flattened_dim, tp_spec_of
 from .policy import ShardingStrategy
-
-ISSUE = "issue 4: HSDP/TP"
 
 
 @dataclass
@@ -54,6 +54,10 @@ class ParallelDims:
     hybrid_group: Optional[dist.ProcessGroup] = None
     tp_group: Optional[dist.ProcessGroup] = None
     outer_reduce: bool = False  # HSDP: all-reduce grads across outer_group on the sync backward
+    shard_group: Optional[dist.ProcessGroup] = None  # collectives of the units (None: shard_mesh's)
+    tp_mesh: Optional[DeviceMesh] = None
+    tp_dim: Optional[str] = None
+    plan: Optional[PlacementPlan] = None  # meshes/placements of the sharded DTensors
 
 
 def _ranks(group: dist.ProcessGroup) -> List[int]:
@@ -104,8 +108,12 @@ def resolve_parallel_dims(mesh: DeviceMesh, inner_mesh: DeviceMesh, dp_shard_dim
         tp_mesh = submesh(mesh, tp_dim, "tp_dim")
         if tp_dim == dp_shard_dim or tp_dim == dp_outer_dim:
             raise ValueError(f"tp_dim={tp_dim!r} must differ from dp_shard_dim and dp_outer_dim")
+        dims.tp_mesh, dims.tp_dim = tp_mesh, tp_dim
         if tp_mesh.size() > 1:
             dims.tp_group = tp_mesh.get_group()
+    sharded = strategy != ShardingStrategy.NO_SHARD
+    inner_names = (dp_shard_dim,) if dp_shard_dim is not None else _own_names(mesh)
+    dims.plan = PlacementPlan(mesh, inner_mesh, inner_names, False, sharded, tp_dim)
     if dp_outer_dim is None:
         return dims
     if dp_outer_dim == dp_shard_dim:
@@ -115,22 +123,50 @@ def resolve_parallel_dims(mesh: DeviceMesh, inner_mesh: DeviceMesh, dp_shard_dim
     dims.outer_group = outer_mesh.get_group()
     dims.hybrid_group = hybrid_fsdp_group
     if outer == ShardingStrategy.OPTIM:
-        dims.shard_mesh = DeviceMesh.from_group(hybrid_fsdp_group, mesh.device_type,
-                                                mesh_dim_names=("hsdp",))
+        dims.shard_mesh, names = _hybrid_mesh(mesh, hybrid_fsdp_group)
+        dims.shard_group = hybrid_fsdp_group
+        dims.plan = PlacementPlan(mesh, dims.shard_mesh, names, False, sharded, tp_dim)
     else:
         dims.outer_reduce = outer_mesh.size() > 1
+        dims.plan = _hsdp_plan(mesh, dims.plan, (dp_outer_dim, str(dp_shard_dim)), sharded, tp_dim)
     return dims
 
 
-def check_tp_params(module: nn.Module, dims: ParallelDims) -> None:
-    """DTensor (tensor-parallel) params are not composed with FSDP sharding yet: fail loudly."""
-    for name, p in module.named_parameters():
-        if isinstance(p, DTensor):
-            raise NotImplementedError(
-                f"parameter {name!r} is a DTensor on mesh dims {p.device_mesh.mesh_dim_names} "
-                f"(placements {p.placements}); composing tensor-parallel DTensor params with FSDP "
-                f"sharding is not implemented yet ({ISSUE}); plain (TP-replicated) modules work "
-                "with a tp_dim of any size")
+def _own_names(mesh: DeviceMesh) -> Optional[tuple]:
+    names = mesh.mesh_dim_names
+    return tuple(names) if names and mesh.ndim == 1 else None
+
+
+def _hybrid_mesh(mesh: DeviceMesh, hybrid: dist.ProcessGroup) -> tuple:
+    """HFSDP's shard mesh: the flattened dim of ``mesh`` that is the hybrid group when there is
+    one whose local rank is the group rank (then TP params can join it), else a mesh built
+    from the bare group."""
+    name = find_flattened_dim(mesh, hybrid)
+    if name is not None and mesh[name].get_local_rank() == dist.get_rank(hybrid):
+        return mesh[name], (name,)
+    return DeviceMesh.from_group(hybrid, mesh.device_type, mesh_dim_names=("hsdp",)), None
+
+
+def _hsdp_plan(mesh: DeviceMesh, fallback: PlacementPlan, names: tuple, sharded: bool,
+               tp_dim: Optional[str]) -> PlacementPlan:
+    """HSDP params are ``[Replicate(), Shard(0)]`` over ``(dp_outer, dp_shard)``; a mesh whose
+    dims cannot be sliced in that order keeps the 1-D inner-mesh description."""
+    try:
+        dp_mesh = mesh[names]
+    except (KeyError, RuntimeError, ValueError):
+        return fallback
+    return PlacementPlan(mesh, dp_mesh, names, True, sharded, tp_dim)
+
+
+def attach_tp_specs(groups: List[List[ManagedParam]], dims: ParallelDims) -> None:
+    """Record which params are tensor-parallel DTensors (checked here, before any allocation);
+    their TP-local shape is what the units lay out and shard."""
+    specs = []
+    for group in groups:
+        for p in group:
+            p.set_tp(tp_spec_of(p.fqn, p.orig, dims.tp_mesh, dims.tp_dim))
+            specs.append(p.tp)
+    dims.plan.check(specs)
 
 
 class OuterGradReducer:

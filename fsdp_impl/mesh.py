@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .device import default_device_type
 
 
-def _mesh_names(mesh: DeviceMesh) -> List[str]:
+def mesh_dim_names(mesh: DeviceMesh) -> List[str]:
     """Dim names addressable on ``mesh``: its own and those flattened from it."""
     names = list(mesh.mesh_dim_names or ())
     for attr in ("_flatten_mapping",):  # torch >= 2.6 keeps flattened sub-meshes here
@@ -25,7 +25,7 @@ def submesh(mesh: DeviceMesh, name: str, arg_name: str) -> DeviceMesh:
         return mesh[name]
     except (KeyError, RuntimeError, ValueError) as err:
         raise ValueError(f"{arg_name}={name!r} is not a dim of the device mesh; allowed values: "
-                         f"{_mesh_names(mesh)}") from err
+                         f"{mesh_dim_names(mesh)}") from err
 
 
 def build_mesh(device_mesh: Optional[DeviceMesh], dp_shard_dim: Optional[str]) -> tuple:
@@ -50,7 +50,7 @@ def build_mesh(device_mesh: Optional[DeviceMesh], dp_shard_dim: Optional[str]) -
     if dp_shard_dim is None:
         if device_mesh.ndim != 1:
             raise ValueError(f"dp_shard_dim must name the data-parallel shard dim of a "
-                             f"{device_mesh.ndim}-D mesh; allowed values: {_mesh_names(device_mesh)}")
+                             f"{device_mesh.ndim}-D mesh; allowed values: {mesh_dim_names(device_mesh)}")
         return device_mesh, device_mesh
     return device_mesh, submesh(device_mesh, dp_shard_dim, "dp_shard_dim")
 

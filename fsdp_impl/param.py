@@ -1,8 +1,9 @@
 """One managed parameter: where the user's module refers to it and its two FSDP forms.
 
 ``sharded`` is the DTensor ``nn.Parameter`` the optimizer and ``model.parameters()`` see (a view
-into the unit's weight buffer); ``unsharded`` is the plain full-size compute parameter that is
-registered on the module only while a forward runs.
+into the unit's weight buffer); ``unsharded`` is the full-size compute parameter that is
+registered on the module only while a forward runs: a plain tensor, or for a tensor-parallel
+param a TP DTensor whose local tensor is the full TP-local tensor.
 """
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .placement import TPSpec
 
 
 class ManagedParam:
@@ -22,7 +26,9 @@ class ManagedParam:
         self.fqn = fqn
         self.orig = orig  # the object the user's optimizer knows (maybe on meta)
         self.locations = locations  # every (module, attr) that holds it (tied weights: several)
-        self.shape = tuple(orig.shape)
+        self.shape = tuple(orig.shape)  # global shape (what the sharded DTensor reports)
+        self.layout_shape = self.shape  # what the unit shards by rows: the TP-local shape
+        self.tp: Optional[TPSpec] = None
         self.dtype = orig.dtype
         self.requires_grad = orig.requires_grad
         self.sharded: Optional[nn.Parameter] = None
@@ -38,3 +44,34 @@ class ManagedParam:
         """Register ``tensor`` under every name that refers to this parameter (FSDP2-style swap)."""
         for module, name in self.locations:
             module._parameters[name] = tensor
+
+    def set_tp(self, tp: Optional[TPSpec]) -> None:
+        self.tp = tp
+        self.layout_shape = tp.local_shape if tp is not None else self.shape
+
+    def local_full(self) -> torch.Tensor:
+        """The full tensor this rank lays out: the module's value, TP-local for TP params (a
+        meta-init TP param is materialised at its global shape, so it is chunked here)."""
+        value = self.current().detach()
+        if isinstance(value, DTensor):
+            return value.to_local()
+        return self.tp.local_chunk(value) if self.tp is not None else value
+
+    def make_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Allocate the compute param (a TP DTensor around a plain local tensor for TP params)."""
+        local = torch.empty(self.layout_shape, dtype=dtype, device=device)
+        value = self.tp.to_compute(local) if self.tp is not None else local
+        self.unsharded = nn.Parameter(value, requires_grad=self.requires_grad)
+
+    def compute_local(self) -> torch.Tensor:
+        """The plain tensor holding the compute values (its storage is what ZeRO-3 frees)."""
+        u = self.unsharded
+        return u._local_tensor if isinstance(u, DTensor) else u
+
+    def take_grad(self) -> Optional[torch.Tensor]:
+        """Pop the compute param's fresh grad as a plain TP-local tensor."""
+        grad = self.unsharded.grad
+        self.unsharded.grad = None
+        if grad is not None and self.tp is not None:
+            grad = self.tp.local_grad(grad)
+        return grad

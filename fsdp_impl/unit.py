@@ -6,8 +6,9 @@ unit issues go through the shard group in a fixed order, so every rank issues th
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,11 +16,24 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import comm
-from .buffers import DataParallelBuffer, ParameterGroup, as_dtensor
+from .buffers import DataParallelBuffer, ParameterGroup
 from .device import CommStreams
 from .param import ManagedParam
+from .placement import PlacementPlan
 from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
 from .sharding import FlatLayout, shard_row_range
+
+
+@contextlib.contextmanager
+def _preserve_versions(p: ManagedParam) -> Iterator[None]:
+    """Writes into the compute storage must not bump the version counters autograd checks (the
+    compute param's and, for a TP DTensor, its local tensor's)."""
+    with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
+        if p.compute_local() is p.unsharded:
+            yield
+        else:
+            with torch.autograd._unsafe_preserve_version_counter(p.compute_local()):
+                yield
 
 
 @dataclass
@@ -38,6 +52,7 @@ class UnitContext:
     strategy: ShardingStrategy
     shard_mesh: DeviceMesh
     group: dist.ProcessGroup
+    plan: PlacementPlan  # the meshes/placements the sharded params and grads are DTensors on
     rank: int  # rank inside the shard group
     world: int  # size of the shard group
     device: torch.device
@@ -70,11 +85,11 @@ class FSDPUnit:
         for i, p in enumerate(self.trainable):
             p.grad_index = i
         n, r = ctx.num_shards, ctx.layout_rank
-        self.weight = DataParallelBuffer(FlatLayout([p.shape for p in params], n), r,
+        self.weight = DataParallelBuffer(FlatLayout([p.layout_shape for p in params], n), r,
                                          self.dtypes.main_params, ctx.device)
         self.grad: Optional[DataParallelBuffer] = None
         if self.trainable:
-            self.grad = DataParallelBuffer(FlatLayout([p.shape for p in self.trainable], n), r,
+            self.grad = DataParallelBuffer(FlatLayout([p.layout_shape for p in self.trainable], n), r,
                                            self.dtypes.main_grads, ctx.device)
         self.group = ParameterGroup(name, self.weight, self.grad,
                                     ctx.policy.main_params_dtype is not None)
@@ -91,18 +106,15 @@ class FSDPUnit:
     # ----------------------------------------------------------------- wrap time
     def shard_from_module(self) -> None:
         """Copy each param's local rows into the weight buffer and swap in the DTensor params."""
-        sharded = self.ctx.strategy != ShardingStrategy.NO_SHARD
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                full = p.current().detach()
-                start, end = shard_row_range(p.shape[0], self.ctx.num_shards, self.ctx.layout_rank)
+                full = p.local_full()
+                start, end = shard_row_range(p.layout_shape[0], self.ctx.num_shards, self.ctx.layout_rank)
                 self.weight.local_view(i).copy_(full[start:end])
                 local = self.weight.local_view(i)
-                p.sharded = nn.Parameter(as_dtensor(local, self.ctx.shard_mesh, p.shape, sharded),
+                p.sharded = nn.Parameter(self.ctx.plan.wrap(local, p.tp, p.shape),
                                          requires_grad=p.requires_grad)
-                p.unsharded = nn.Parameter(
-                    torch.empty(p.shape, dtype=self.dtypes.compute, device=self.ctx.device),
-                    requires_grad=p.requires_grad)
+                p.make_unsharded(self.dtypes.compute, self.ctx.device)
                 p.set_on_module(p.sharded)
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
             self._free_unsharded()
@@ -149,8 +161,8 @@ class FSDPUnit:
                 or self._gather is not None or not self.params):
             return
         for p in self.params:
-            storage = p.unsharded.untyped_storage()
-            need = p.unsharded.numel() * p.unsharded.element_size()
+            storage = p.compute_local().untyped_storage()
+            need = p.compute_local().numel() * p.compute_local().element_size()
             if storage.size() != need:
                 storage.resize_(need)
         self._gather = self._start_gather()
@@ -165,8 +177,8 @@ class FSDPUnit:
         local = self.weight.data.to(self.dtypes.compute)
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
-                    p.unsharded.copy_(self.weight.layout.local_view(local, i, 0))
+                with _preserve_versions(p):
+                    p.compute_local().copy_(self.weight.layout.local_view(local, i, 0))
         self.synced_version = self.version_signature()
 
     def _start_gather(self) -> _Gather:
@@ -187,8 +199,8 @@ class FSDPUnit:
         stream.used_by_current(gather.gathered)
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
-                    self.weight.layout.unpack_full(gather.gathered, i, p.unsharded)
+                with _preserve_versions(p):
+                    self.weight.layout.unpack_full(gather.gathered, i, p.compute_local())
         self.synced_version = gather.version
 
     def reshard(self) -> None:
@@ -205,7 +217,7 @@ class FSDPUnit:
 
     def _free_unsharded(self) -> None:
         for p in self.params:
-            p.unsharded.untyped_storage().resize_(0)
+            p.compute_local().untyped_storage().resize_(0)
 
     def swap_in(self) -> None:
         for p in self.params:
@@ -221,8 +233,7 @@ class FSDPUnit:
 
         Returns True when it was the unit's last expected grad of this backward.
         """
-        grad = p.unsharded.grad
-        p.unsharded.grad = None
+        grad = p.take_grad()
         if grad is None:
             return False
         layout = self.grad.layout
@@ -286,7 +297,6 @@ class FSDPUnit:
         """
         if self.grad is None:
             return
-        sharded = self.ctx.strategy != ShardingStrategy.NO_SHARD
         self.grad.ensure_allocated()
         for p in self.trainable:
             i = p.grad_index
@@ -295,10 +305,10 @@ class FSDPUnit:
                 continue
             local = self.grad.local_view(i)
             if decoupled or local.dtype == p.sharded.dtype:
-                g = as_dtensor(local, self.ctx.shard_mesh, p.shape, sharded)
+                g = self.ctx.plan.wrap(local, p.tp, p.shape)
                 self._grad_cache[i] = g
             else:
-                g = as_dtensor(local.to(p.sharded.dtype), self.ctx.shard_mesh, p.shape, sharded)
+                g = self.ctx.plan.wrap(local.to(p.sharded.dtype), p.tp, p.shape)
             if decoupled:
                 p.sharded.decoupled_grad = g
             else:

@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_impl.clip_grad import clip_grad_norm
 from fsdp_impl.decoupled import local_tensor, optimizer_reads_decoupled_grad
@@ -80,9 +80,16 @@ def _hybrid_setup(env: Any, strategy: int, outer: str) -> tuple[torch.nn.Module,
 
 
 def _grad_shard_ranks(mesh: Any, outer: str) -> list[int]:
-    """The ranks a param's shards (and so its decoupled grad) are spread over: dp_shard under
-    outer ``no_shard`` (replicated across dp_outer), the whole hybrid group under outer ``optim``."""
-    return dist.get_process_group_ranks(mesh["hsdp" if outer == "optim" else "dp_shard"].get_group())
+    """The ranks a param's DTensor (and so its decoupled grad) spans: (dp_outer, dp_shard) under
+    outer ``no_shard`` (placements [Replicate(), Shard(0)]), the hybrid group under outer
+    ``optim`` (sharded over all of it)."""
+    names = "hsdp" if outer == "optim" else ("dp_outer", "dp_shard")
+    return sorted(mesh[names].mesh.flatten().tolist())
+
+
+def _expected_dp_placements(outer: str, strategy: int) -> tuple:
+    inner = Replicate() if strategy == 0 else Shard(0)
+    return (inner,) if outer == "optim" else (Replicate(), inner)
 
 
 def _same_on_all_ranks(value: float, device: torch.device) -> list[float]:
@@ -114,7 +121,8 @@ class TestDecoupledGradOuter:
             assert grad is not None, f"{name}: decoupled_grad is None after sync on rank {dist_env.rank}"
             assert isinstance(grad, DTensor), f"{name}: decoupled_grad is {type(grad).__name__}, not a DTensor"
             assert grad.placements == p.placements and grad.device_mesh == p.device_mesh, name
-            assert grad.device_mesh.mesh.flatten().tolist() == shard_ranks, f"{name}: grad mesh {grad.device_mesh}"
+            assert sorted(grad.device_mesh.mesh.flatten().tolist()) == shard_ranks, f"{name}: grad mesh {grad.device_mesh}"
+            assert tuple(grad.placements) == _expected_dp_placements(outer, strategy), f"{name}: {grad.placements}"
             local = local_tensor(grad)
             assert local.shape == local_tensor(p).shape, name
             if local.numel():

@@ -1,7 +1,8 @@
 """Bad mesh input fails early with a message naming the argument and allowed values (issue 4):
 missing dims, a mesh that does not cover the world, dp_outer_dim / hybrid_fsdp_group given
 alone, a hybrid group of the wrong size, outer 'optim' with an inner strategy other than 3, and
-DTensor tensor-parallel params (not composed yet). Also ``device_mesh=None`` and ``dist_index``."""
+DTensor tensor-parallel params without a tp_dim or on a mesh that is not the tp dim. Also
+``device_mesh=None`` and ``dist_index``."""
 from __future__ import annotations
 
 import pytest
@@ -79,16 +80,26 @@ def test_outer_optim_needs_inner_optim_grads_params(inner, dist_env) -> None:
         fully_shard(*_cnn(), zero_dp_strategy=inner, **_hsdp_kwargs(outer_dp_sharding_strategy="optim"))
 
 
-def test_dtensor_tp_params_raise_not_implemented(dist_env) -> None:
+def _tp_model(mesh, dim: str = "tp") -> nn.Module:
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    mesh = seed_mesh((1, 2, 1, 2))
     torch.manual_seed(0)
-    model = parallelize_module(nn.Sequential(nn.Linear(4, 6)), mesh["tp"], {"0": ColwiseParallel()})
-    with pytest.raises(NotImplementedError, match=r"parameter '0.weight' is a DTensor .*composing "
-                                                  r"tensor-parallel DTensor params with FSDP sharding is not "
-                                                  r"implemented yet \(issue 4"):
-        fully_shard_model(model, **seed_kwargs(mesh, None))
+    return parallelize_module(nn.Sequential(nn.Linear(4, 6)), mesh[dim], {"0": ColwiseParallel()})
+
+
+def test_dtensor_tp_params_need_tp_dim(dist_env) -> None:
+    mesh = seed_mesh((1, 2, 1, 2))
+    kwargs = dict(seed_kwargs(mesh, None), tp_dim=None)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is a DTensor on mesh dims \('tp',\).* "
+                                         r"but tp_dim is None; pass tp_dim"):
+        fully_shard_model(_tp_model(mesh), **kwargs)
+
+
+def test_dtensor_params_must_live_on_the_tp_dim(dist_env) -> None:
+    mesh = seed_mesh((1, 2, 1, 2))
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is a DTensor on mesh dims \('dp_shard',\).*"
+                                         r"must live on the 1-D tp_dim='tp' sub-mesh"):
+        fully_shard_model(_tp_model(mesh, "dp_shard"), **seed_kwargs(mesh, None))
 
 
 def test_device_mesh_none_builds_1d_mesh_over_the_world(dist_env) -> None:

@@ -134,28 +134,45 @@ def sharded_max_error(model: torch.nn.Module, expected: Dict[str, torch.Tensor],
     return agreed.item(), where
 
 
-def gathered_full_params(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """Like ``full_params`` but with one ``all_gather_object`` per mesh instead of one all-gather
-    per param (8 ranks on 2 loaded cores pay per collective). ``Shard(0)`` shards follow
-    torch.chunk semantics, so concatenating them in mesh-rank order gives the full tensor."""
-    from torch.distributed.tensor import Shard
+def _gather_dim(p: Any) -> Optional[int]:
+    """The one mesh dim a param is ``Shard(0)`` on when all others are ``Replicate()`` (-1: all
+    replicated; None: another layout, e.g. tensor-parallel, gathered with ``full_tensor``)."""
+    from torch.distributed.tensor import Replicate, Shard
 
+    shard = [d for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+    if not shard:
+        return -1
+    if len(shard) == 1 and type(p.placements[shard[0]]) is Shard and p.placements[shard[0]].dim == 0:
+        return shard[0]
+    return None
+
+
+def gathered_full_params(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """Like ``full_params`` but with one ``all_gather_object`` per (mesh, shard dim) instead of
+    one all-gather per param (8 ranks on 2 loaded cores pay per collective). ``Shard(0)`` shards
+    follow torch.chunk semantics, so concatenating them in mesh-rank order gives the full tensor;
+    HSDP's ``[Replicate(), Shard(0)]`` params gather over their shard dim only."""
     params = list(model.module.named_parameters())
-    meshes: List[Any] = []
+    keys: List[Tuple[Any, Optional[int]]] = []
     for _, p in params:
-        if all(p.device_mesh is not m for m in meshes):
-            meshes.append(p.device_mesh)
-    out: Dict[str, torch.Tensor] = {}
-    for mesh in meshes:
-        mine = [(n, p) for n, p in params if p.device_mesh is mesh]
-        payload = (mesh.get_local_rank(), {n: p.to_local().detach().float().cpu() for n, p in mine})
-        objs: List[Any] = [None] * mesh.size()
-        dist.all_gather_object(objs, payload, group=mesh.get_group())
+        key = (p.device_mesh, _gather_dim(p))
+        if key[1] is not None and all(k[0] is not key[0] or k[1] != key[1] for k in keys):
+            keys.append(key)
+    out: Dict[str, torch.Tensor] = {n: p.full_tensor().detach().float().cpu()
+                                    for n, p in params if _gather_dim(p) is None}
+    for mesh, dim in keys:
+        mine = [(n, p) for n, p in params if p.device_mesh is mesh and _gather_dim(p) == dim]
+        if dim == -1:
+            out.update({n: p.to_local().detach().float().cpu() for n, p in mine})
+            continue
+        payload = (mesh.get_local_rank(dim), {n: p.to_local().detach().float().cpu() for n, p in mine})
+        objs: List[Any] = [None] * mesh.size(dim)
+        dist.all_gather_object(objs, payload, group=mesh.get_group(dim))
         ordered = [o[1] for o in sorted(objs, key=lambda o: o[0])]
-        for n, p in mine:
-            sharded = isinstance(p.placements[0], Shard)
-            out[n] = torch.cat([o[n] for o in ordered], dim=0) if sharded else ordered[0][n]
-            assert tuple(out[n].shape) == tuple(p.shape), f"{n}: gathered {tuple(out[n].shape)} vs {tuple(p.shape)}"
+        for n, _ in mine:
+            out[n] = torch.cat([o[n] for o in ordered], dim=0)
+    for n, p in params:
+        assert tuple(out[n].shape) == tuple(p.shape), f"{n}: gathered {tuple(out[n].shape)} vs {tuple(p.shape)}"
     return out
 
 
