@@ -9,11 +9,14 @@ Traffic: a ``CollectiveCounter`` checks each collective's group: HSDP all-reduce
 only on the sync microbatch (once per unit with grads per cycle), reduce-scatters/all-gathers
 stay inside dp_shard; HFSDP gathers and reduce-scatters over the hybrid group and never issues a
 separate outer reduction.
+
+``check_hsdp``/``check_hfsdp`` take the mesh shape and the device, so ``test_mesh_world2.py`` runs
+the same checks on (dp_outer=2, dp_shard=1) with 2 ranks (2 GPUs under NCCL).
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ from fsdp_impl import fully_shard
 from tests.functional.common.collective_counter import CollectiveCounter, group_ranks
 from tests.functional.common.models import build_model, loss_fn, unit_classes
 from tests.functional.common.reference import global_batch, make_optimizer, train_reference
+from tests.functional.common.training import Microbatch, train_accumulating
 from tests.functional.test_mesh_support import (data_position, full_params, relative_errors,
                                                 seed_kwargs, seed_mesh)
 
@@ -30,10 +34,12 @@ pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
 
 RTOL = 1e-5
 STEPS, MICRO, LOCAL = 3, 2, 4
+HSDP_4 = (2, 2, 1, 1)  # (dp_outer, dp_shard, cp, tp) of the 4-rank cases
 
 
-def _wrap(name: str, strategy: object, outer: str, opt_kind: str = "sgd"):
-    mesh = seed_mesh((2, 2, 1, 1))
+def _wrap(name: str, strategy: object, outer: str, device: torch.device, opt_kind: str = "sgd",
+          shape: Tuple[int, int, int, int] = HSDP_4):
+    mesh = seed_mesh(shape, device.type)
     model = build_model(name, seed=0)
     opt = make_optimizer(opt_kind, model.named_parameters())
     fsdp_model, opt = fully_shard(model, opt, fsdp_unit_modules=list(unit_classes(name)),
@@ -41,51 +47,45 @@ def _wrap(name: str, strategy: object, outer: str, opt_kind: str = "sgd"):
     return mesh, fsdp_model, opt
 
 
-def _train(name: str, fsdp_model, opt, mesh, counters: Optional[List[CollectiveCounter]] = None
-           ) -> List[float]:
+def _train(name: str, fsdp_model, opt, mesh, device: torch.device,
+           counters: Optional[List[CollectiveCounter]] = None) -> List[float]:
     """3 steps x 2 microbatches on this rank's slice; with ``counters``, microbatch m's
     collectives are recorded in ``counters[m]`` (first step only)."""
     pos, n = data_position(mesh["hsdp"].get_group())
     per = LOCAL // MICRO
-    losses = []
-    for step in range(STEPS):
+
+    def microbatches(step: int) -> List[Microbatch]:
         inputs, target = global_batch(name, step, n * LOCAL, torch.float32)
-        total = torch.zeros(())
-        for m in range(MICRO):
-            lo = pos * LOCAL + m * per
-            xs = [x[lo:lo + per] for x in inputs]
-            fsdp_model.set_model_auto_sync(m == MICRO - 1)
-            if counters is not None and step == 0:
-                with counters[m]:
-                    loss = loss_fn(name)(fsdp_model(*xs), target[lo:lo + per]) / MICRO
-                    loss.backward()
-            else:
-                loss = loss_fn(name)(fsdp_model(*xs), target[lo:lo + per]) / MICRO
-                loss.backward()
-            total += loss.detach()
-        dist.all_reduce(total, op=dist.ReduceOp.AVG)
-        losses.append(total.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+        spans = [slice(pos * LOCAL + m * per, pos * LOCAL + (m + 1) * per) for m in range(MICRO)]
+        return [([x[s].to(device) for x in inputs], target[s].to(device)) for s in spans]
+
+    def record(step: int, m: int) -> Optional[CollectiveCounter]:
+        return counters[m] if counters is not None and step == 0 else None
+
+    return train_accumulating(fsdp_model, opt, STEPS, microbatches, loss_fn(name), device, record)
 
 
-def _check_parity(name: str, losses: List[float], final: Dict[str, torch.Tensor]) -> None:
-    ref_losses, ref_params = train_reference(build_model(name, seed=0), name, "sgd", STEPS,
-                                             dist.get_world_size() * LOCAL)
+def _reference(name: str, opt_kind: str, device: torch.device) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+    """The reference on the test's device (like kernels with like), on all ranks' samples."""
+    return train_reference(build_model(name, seed=0).to(device), name, opt_kind, STEPS,
+                           dist.get_world_size() * LOCAL)
+
+
+def _check_parity(name: str, losses: List[float], final: Dict[str, torch.Tensor],
+                  device: torch.device) -> None:
+    ref_losses, ref_params = _reference(name, "sgd", device)
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) <= RTOL * abs(b), f"losses {losses} vs reference {ref_losses}"
     err, where = relative_errors(final, ref_params)
     assert err <= RTOL, f"param {where}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
-@pytest.mark.parametrize("name", ["cnn", "transformer"])
-def test_hsdp_parity_and_traffic(name: str, strategy: str, dist_env) -> None:
-    mesh, model, opt = _wrap(name, strategy, "no_shard")
+def check_hsdp(name: str, strategy: str, device: torch.device, shape: Tuple[int, int, int, int]) -> None:
+    """HSDP (outer no_shard) on ``shape``: parity, and outer traffic only on the sync microbatch."""
+    mesh, model, opt = _wrap(name, strategy, "no_shard", device, shape=shape)
     counters = [CollectiveCounter(), CollectiveCounter()]
-    losses = _train(name, model, opt, mesh, counters)
-    _check_parity(name, losses, full_params(model))
+    losses = _train(name, model, opt, mesh, device, counters)
+    _check_parity(name, losses, full_params(model), device)
 
     outer, inner = mesh["dp_outer"].get_group(), mesh["dp_shard"].get_group()
     units = [u for u in model._fsdp_engine.units if u.grad is not None]
@@ -106,38 +106,50 @@ def test_hsdp_parity_and_traffic(name: str, strategy: str, dist_env) -> None:
     assert idx.get_hybrid_fsdp_group() is mesh["hsdp"].get_group() and idx.get_tp_group() is None
 
 
-@pytest.mark.parametrize("name", ["cnn", "transformer"])
-def test_hfsdp_parity_and_traffic(name: str, dist_env) -> None:
-    mesh, model, opt = _wrap(name, "optim_grads_params", "optim")
+def check_hfsdp(name: str, device: torch.device, shape: Tuple[int, int, int, int]) -> None:
+    """HFSDP (outer optim, inner 3) on ``shape``: parity, traffic only over the hybrid group, and
+    main params and optimizer state sharded over all of it."""
+    mesh, model, opt = _wrap(name, "optim_grads_params", "optim", device, shape=shape)
     counters = [CollectiveCounter(), CollectiveCounter()]
-    losses = _train(name, model, opt, mesh, counters)
-    _check_parity(name, losses, full_params(model))
+    losses = _train(name, model, opt, mesh, device, counters)
+    _check_parity(name, losses, full_params(model), device)
 
     hybrid = group_ranks(mesh["hsdp"].get_group())
+    ways = len(hybrid)
     for c in counters:
         assert c.count("all_gather_into_tensor") == c.count("all_gather_into_tensor", ranks=hybrid) > 0
         assert c.count("reduce_scatter_tensor") == c.count("reduce_scatter_tensor", ranks=hybrid) > 0
         assert c.count("all_reduce", mesh["dp_outer"].get_group()) == 0, c.summary()
-    # main params (hence optimizer state) are sharded 4 ways: over dp_outer x dp_shard
+    # main params (hence optimizer state) are sharded over dp_outer x dp_shard
     for n, p in model.module.named_parameters():
         rows = p.shape[0]
-        assert p.to_local().shape[0] <= -(-rows // 4), f"{n}: local rows {p.to_local().shape[0]} of {rows}"
-        assert p.device_mesh.size() == 4
+        assert p.to_local().shape[0] <= -(-rows // ways), f"{n}: local rows {p.to_local().shape[0]} of {rows}"
+        assert p.device_mesh.size() == ways
     for state in opt.state.values():
         for v in state.values():
             if torch.is_tensor(v) and v.dim() > 0:
                 local = v.to_local() if hasattr(v, "to_local") else v
                 row_numel = math.prod(v.shape[1:])
-                assert local.numel() <= -(-v.shape[0] // 4) * row_numel, f"optimizer state not sharded 4 ways"
+                assert local.numel() <= -(-v.shape[0] // ways) * row_numel, f"optimizer state not sharded {ways} ways"
     assert group_ranks(model.dist_index.get_fsdp_group()) == group_ranks(mesh["dp_shard"].get_group())
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+@pytest.mark.parametrize("name", ["cnn", "transformer"])
+def test_hsdp_parity_and_traffic(name: str, strategy: str, dist_env) -> None:
+    check_hsdp(name, strategy, dist_env.device, HSDP_4)
+
+
+@pytest.mark.parametrize("name", ["cnn", "transformer"])
+def test_hfsdp_parity_and_traffic(name: str, dist_env) -> None:
+    check_hfsdp(name, dist_env.device, HSDP_4)
 
 
 def test_hsdp_adam_accumulation_matches_reference(dist_env) -> None:
     """Adam as the seed uses it (outer no_shard, inner ZeRO-3): losses and params."""
-    mesh, model, opt = _wrap("cnn", 3, "no_shard", opt_kind="adam")
-    losses = _train("cnn", model, opt, mesh)
-    ref_losses, ref_params = train_reference(build_model("cnn", seed=0), "cnn", "adam", STEPS,
-                                             dist.get_world_size() * LOCAL)
+    mesh, model, opt = _wrap("cnn", 3, "no_shard", dist_env.device, opt_kind="adam")
+    losses = _train("cnn", model, opt, mesh, dist_env.device)
+    ref_losses, ref_params = _reference("cnn", "adam", dist_env.device)
     err, where = relative_errors(full_params(model), ref_params)
     assert err <= 1e-4 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), \
         f"{where}: {err:.3g}; losses {losses} vs {ref_losses}"

@@ -68,10 +68,18 @@ def full_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
+def comm_device() -> torch.device:
+    """Where small check tensors must live for the default group's backend (NCCL: the GPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def assert_same_on_all_ranks(tensors: Dict[str, torch.Tensor], what: str) -> None:
     """Every rank holds the same values (replicas across dp_outer / tp / cp must agree)."""
     names = sorted(tensors)
     flat = torch.cat([tensors[n].reshape(-1).double() for n in names]) if names else torch.zeros(1)
+    flat = flat.to(comm_device())
     lo, hi = flat.clone(), flat.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
@@ -129,7 +137,7 @@ def sharded_max_error(model: torch.nn.Module, expected: Dict[str, torch.Tensor],
         if err > worst:
             worst, where = err, n
     assert sorted(names) == sorted(expected), f"names differ: {sorted(set(names) ^ set(expected))}"
-    agreed = torch.tensor([worst], dtype=torch.float64)
+    agreed = torch.tensor([worst], dtype=torch.float64, device=comm_device())
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     return agreed.item(), where
 
@@ -187,6 +195,6 @@ def sharded_model_error(model: torch.nn.Module, expected: Dict[str, torch.Tensor
         e = expected[n].double()
         num += ((t.to_local().detach().double().cpu() - _reference_local(p, e)) ** 2).sum().item()
         den += (e ** 2).sum().item()
-    agreed = torch.tensor([(num / max(den, 1e-24)) ** 0.5], dtype=torch.float64)
+    agreed = torch.tensor([(num / max(den, 1e-24)) ** 0.5], dtype=torch.float64, device=comm_device())
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     return agreed.item()

@@ -8,7 +8,9 @@ TP: a plain model is replicated over a ``tp`` dim of size 2; TP ranks see the sa
 data-parallel semantics are unchanged and training must match the reference over the dp ranks.
 
 Every case: 3 steps x 2 accumulation microbatches (no sync, then sync), SGD with momentum,
-per-step loss and final params vs the reference at 1e-5 relative (fp32).
+per-step loss and final params vs the reference at 1e-5 relative (fp32). ``check_cp``,
+``check_tp`` and ``train_plain_cnn`` take the mesh shape and the device, so
+``test_mesh_world2.py`` runs the same checks with 2 ranks (2 GPUs under NCCL).
 """
 from __future__ import annotations
 
@@ -16,13 +18,13 @@ from typing import Callable, List, Optional, Tuple
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_impl import fully_shard
 from tests.functional.common.collective_counter import CollectiveCounter, group_ranks
 from tests.functional.common.models import build_model, loss_fn, unit_classes
 from tests.functional.common.reference import global_batch, make_optimizer
+from tests.functional.common.training import Microbatch, train_accumulating
 from tests.functional.test_mesh_support import (assert_same_on_all_ranks, data_position, full_params,
                                                 relative_errors, seed_kwargs, seed_mesh)
 
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
 RTOL = 1e-5
 STEPS, MICRO, SAMPLES_PER_DP, SEQ, D = 3, 2, 2, 4, 4
 Batch = Tuple[Tuple[torch.Tensor, ...], torch.Tensor]
+Shape = Tuple[int, int, int, int]  # (dp_outer, dp_shard, cp, tp)
 
 
 class TokenBlock(nn.Module):
@@ -71,59 +74,50 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(build: Callable[[], nn.Module], batch: Callable[[int, int], Batch], loss: Callable,
-               n: int) -> Tuple[List[float], dict]:
-    model = build()
+               n: int, device: torch.device) -> Tuple[List[float], dict]:
+    """Full-batch training on ``device`` (like kernels with like); params returned on the CPU."""
+    model = build().to(device)
     opt = make_optimizer("sgd", model.named_parameters())
     losses = []
     for step in range(STEPS):
         inputs, target = batch(step, n)
-        value = loss(model(*inputs), target)
+        value = loss(model(*[x.to(device) for x in inputs]), target.to(device))
         value.backward()
         opt.step()
         opt.zero_grad()
         losses.append(value.item())
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses, {k: v.detach().cpu().clone() for k, v in model.named_parameters()}
 
 
 def _train(build, batch, loss, units, mesh, outer: Optional[str], strategy, split_seq: bool,
-           counter: Optional[CollectiveCounter] = None):
+           device: torch.device, counter: Optional[CollectiveCounter] = None):
     """This rank trains on its samples (by dp position) and, if ``split_seq``, its sequence chunk
     (by cp position); TP ranks get identical data."""
     model = build()
     opt = make_optimizer("sgd", model.named_parameters())
     fsdp_model, opt = fully_shard(model, opt, fsdp_unit_modules=units, zero_dp_strategy=strategy,
                                   **seed_kwargs(mesh, outer))
-    assert_same_on_all_ranks(full_params(fsdp_model), "initial params")
+    # moved to the device: the check all-reduces them, and NCCL cannot reduce CPU tensors
+    initial = {n: t.to(device) for n, t in full_params(fsdp_model).items()}
+    assert_same_on_all_ranks(initial, "initial params")
     dp_pos, dp_n = data_position(mesh["dp"].get_group())
     cp_pos, cp_n = data_position(mesh["cp"].get_group())
     per = SAMPLES_PER_DP // MICRO
-    losses = []
-    for step in range(STEPS):
+
+    def microbatches(step: int) -> List[Microbatch]:
         inputs, target = batch(step, dp_n * SAMPLES_PER_DP)
-        total = torch.zeros(())
+        out = []
         for m in range(MICRO):
             lo = dp_pos * SAMPLES_PER_DP + m * per
             xs, y = [x[lo:lo + per] for x in inputs], target[lo:lo + per]
             if split_seq:
                 xs, y = [x.chunk(cp_n, dim=1)[cp_pos] for x in xs], y.chunk(cp_n, dim=1)[cp_pos]
-            fsdp_model.set_model_auto_sync(m == MICRO - 1)
-            with counter if counter is not None else _Null():
-                value = loss(fsdp_model(*xs), y) / MICRO
-                value.backward()
-            total += value.detach()
-        dist.all_reduce(total, op=dist.ReduceOp.AVG)
-        losses.append(total.item())
-        opt.step()
-        opt.zero_grad()
+            out.append(([x.to(device) for x in xs], y.to(device)))
+        return out
+
+    record = (lambda step, m: counter) if counter is not None else None  # noqa: E731
+    losses = train_accumulating(fsdp_model, opt, STEPS, microbatches, loss, device, record)
     return losses, full_params(fsdp_model), fsdp_model
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 def _assert_parity(losses, final, ref_losses, ref_params) -> None:
@@ -133,18 +127,15 @@ def _assert_parity(losses, final, ref_losses, ref_params) -> None:
     assert err <= RTOL, f"param {where}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("mesh_shape,outer", [((1, 2, 2, 1), None), ((2, 1, 2, 1), "no_shard"),
-                                              ((2, 1, 2, 1), "optim")], ids=["fsdp", "hsdp", "hfsdp"])
-@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
-def test_cp_sequence_chunks_match_full_sequence(mesh_shape, outer, strategy, dist_env) -> None:
-    if outer == "optim" and strategy != "optim_grads_params":
-        pytest.skip("outer 'optim' requires inner 'optim_grads_params'/3")
-    mesh = seed_mesh(mesh_shape)
+def check_cp(mesh_shape: Shape, outer: Optional[str], strategy: str, device: torch.device) -> None:
+    """Sequence chunks over ``cp`` (dp_shard_dim = the flattened dp_shard x cp dim) train like
+    full sequences, and grads are reduced over groups that contain the cp ranks."""
+    mesh = seed_mesh(mesh_shape, device.type)
     counter = CollectiveCounter()
     losses, final, model = _train(_token_model, _token_batch, _mse, [TokenBlock], mesh, outer, strategy,
-                                  split_seq=True, counter=counter)
+                                  split_seq=True, device=device, counter=counter)
     n_samples = mesh["dp"].size() * SAMPLES_PER_DP
-    _assert_parity(losses, final, *_reference(_token_model, _token_batch, _mse, n_samples))
+    _assert_parity(losses, final, *_reference(_token_model, _token_batch, _mse, n_samples, device))
     cp_ranks = group_ranks(mesh["cp"].get_group())
     shard = group_ranks(model.dist_index.get_fsdp_group())
     assert set(cp_ranks) <= set(shard), "cp ranks must be inside the dp_shard_cp group"
@@ -152,18 +143,39 @@ def test_cp_sequence_chunks_match_full_sequence(mesh_shape, outer, strategy, dis
     assert reduced and all(set(cp_ranks) <= set(r) for r in reduced), f"grads not reduced over cp: {reduced}"
 
 
-@pytest.mark.parametrize("mesh_shape,outer", [((1, 2, 1, 2), None), ((2, 1, 1, 2), "no_shard")],
-                         ids=["fsdp_tp2", "hsdp_tp2"])
-@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
-def test_tp_dim_replicates_plain_models(mesh_shape, outer, strategy, dist_env) -> None:
-    mesh = seed_mesh(mesh_shape)
+def train_plain_cnn(mesh_shape: Shape, outer: Optional[str], strategy: str, device: torch.device):
+    """Train the plain CNN on ``mesh_shape`` with every engine collective counted; assert parity
+    with the reference over the dp ranks' samples; return (mesh, wrapped model, counter)."""
+    mesh = seed_mesh(mesh_shape, device.type)
     build = lambda: build_model("cnn", seed=0)  # noqa: E731
     batch = lambda step, n: global_batch("cnn", step, n, torch.float32)  # noqa: E731
     counter = CollectiveCounter()
     losses, final, model = _train(build, batch, loss_fn("cnn"), list(unit_classes("cnn")), mesh, outer,
-                                  strategy, split_seq=False, counter=counter)
+                                  strategy, split_seq=False, device=device, counter=counter)
     n_samples = mesh["dp"].size() * SAMPLES_PER_DP
-    _assert_parity(losses, final, *_reference(build, batch, loss_fn("cnn"), n_samples))
+    _assert_parity(losses, final, *_reference(build, batch, loss_fn("cnn"), n_samples, device))
+    return mesh, model, counter
+
+
+def check_tp(mesh_shape: Shape, outer: Optional[str], strategy: str, device: torch.device) -> None:
+    """A plain model replicated over ``tp`` trains like the reference and FSDP never talks over tp."""
+    mesh, model, counter = train_plain_cnn(mesh_shape, outer, strategy, device)
     tp = model.dist_index.get_tp_group()
     assert tp is not None and group_ranks(tp) == group_ranks(mesh["tp"].get_group())
     assert counter.count(group=tp) == 0, f"FSDP must not communicate over tp: {counter.summary()}"
+
+
+@pytest.mark.parametrize("mesh_shape,outer", [((1, 2, 2, 1), None), ((2, 1, 2, 1), "no_shard"),
+                                              ((2, 1, 2, 1), "optim")], ids=["fsdp", "hsdp", "hfsdp"])
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_cp_sequence_chunks_match_full_sequence(mesh_shape, outer, strategy, dist_env) -> None:
+    if outer == "optim" and strategy != "optim_grads_params":
+        pytest.skip("outer 'optim' requires inner 'optim_grads_params'/3")
+    check_cp(mesh_shape, outer, strategy, dist_env.device)
+
+
+@pytest.mark.parametrize("mesh_shape,outer", [((1, 2, 1, 2), None), ((2, 1, 1, 2), "no_shard")],
+                         ids=["fsdp_tp2", "hsdp_tp2"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_tp_dim_replicates_plain_models(mesh_shape, outer, strategy, dist_env) -> None:
+    check_tp(mesh_shape, outer, strategy, dist_env.device)

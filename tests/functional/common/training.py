@@ -2,8 +2,9 @@
 this rank's slice of the same global batches the reference sees."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,10 @@ import torch.distributed as dist
 import fsdp_impl
 from .models import build_model, loss_fn, unit_classes
 from .reference import global_batch, make_optimizer
+
+Microbatch = Tuple[Sequence[torch.Tensor], torch.Tensor]  # (model inputs, target) on the device
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Recorder = Callable[[int, int], Optional[ContextManager]]
 
 
 @dataclass
@@ -32,6 +37,37 @@ def local_slice(t: torch.Tensor, rank: int, per_rank: int) -> torch.Tensor:
     return t[rank * per_rank:(rank + 1) * per_rank]
 
 
+def train_accumulating(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int,
+                       microbatches: Callable[[int], Sequence[Microbatch]], loss: LossFn,
+                       device: torch.device, record: Optional[Recorder] = None) -> List[float]:
+    """``steps`` optimisation cycles of gradient accumulation; return each step's global loss.
+
+    Each cycle runs the microbatches ``microbatches(step)`` gives this rank with auto-sync off
+    except on the last one (so grads are reduced once per cycle, as users accumulate), each loss
+    divided by their number, then ``opt.step()``/``zero_grad()``. The returned loss is the
+    rank-average of the accumulated loss, i.e. the full-batch loss when ranks hold equal slices.
+    ``record(step, m)`` may return a context (e.g. a ``CollectiveCounter``) entered around
+    microbatch ``m``'s forward and backward only, so it sees the engine's traffic and not the
+    loss all-reduce.
+    """
+    losses: List[float] = []
+    for step in range(steps):
+        batches = microbatches(step)
+        total = torch.zeros((), device=device)
+        for m, (xs, target) in enumerate(batches):
+            model.set_model_auto_sync(m == len(batches) - 1)
+            context = record(step, m) if record is not None else None
+            with context if context is not None else contextlib.nullcontext():
+                value = loss(model(*xs), target) / len(batches)
+                value.backward()
+            total += value.detach()
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        losses.append(total.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 def train_fsdp(cfg: RunConfig, device: torch.device, model: Optional[torch.nn.Module] = None,
                **fsdp_kwargs) -> Tuple[List[float], Dict[str, torch.Tensor], "torch.nn.Module"]:
     """Train with FSDP; return the global per-step losses, full final params and the model.
@@ -49,21 +85,14 @@ def train_fsdp(cfg: RunConfig, device: torch.device, model: Optional[torch.nn.Mo
     kwargs.update(fsdp_kwargs)
     fsdp_model, opt = fsdp_impl.fully_shard(model, opt, **kwargs)
     micro = cfg.local_batch // cfg.microbatches
-    losses: List[float] = []
-    for step in range(cfg.steps):
+
+    def microbatches(step: int) -> List[Microbatch]:
         inputs, target = global_batch(cfg.model, step, world * cfg.local_batch, cfg.dtype)
         inputs = [local_slice(x, rank, cfg.local_batch).to(device) for x in inputs]
         target = local_slice(target, rank, cfg.local_batch).to(device)
-        total = torch.zeros((), device=device)
-        for m in range(cfg.microbatches):
-            fsdp_model.set_model_auto_sync(m == cfg.microbatches - 1)
-            xs = [local_slice(x, m, micro) for x in inputs]
-            loss = loss_fn(cfg.model)(fsdp_model(*xs), local_slice(target, m, micro)) / cfg.microbatches
-            loss.backward()
-            total += loss.detach()
-        dist.all_reduce(total, op=dist.ReduceOp.AVG)
-        losses.append(total.item())
-        opt.step()
-        opt.zero_grad()
+        return [([local_slice(x, m, micro) for x in inputs], local_slice(target, m, micro))
+                for m in range(cfg.microbatches)]
+
+    losses = train_accumulating(fsdp_model, opt, cfg.steps, microbatches, loss_fn(cfg.model), device)
     final = {n: p.full_tensor().detach().cpu() for n, p in fsdp_model.module.named_parameters()}
     return losses, final, fsdp_model
