@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .buffers import ParamAndGradBuffer
 from .device import CommStreams, pick_device
+from .decoupled import check_decoupled_grad_consistency
 from .discovery import UnitSpec, assign_params, find_unit_modules, resolve_unit_classes
 from .engine import FSDPEngine
 from .hooks import register_hooks
@@ -26,10 +27,6 @@ from .optimizer import attach_engines, remap_optimizer_params
 from .policy import MixedPrecisionPolicy, ShardingStrategy, parse_strategy
 from .unit import FSDPUnit, UnitContext
 
-try:  # written by the decoupled-grad helper (issue: decoupled grads)
-    from .decoupled import check_decoupled_grad_consistency
-except ImportError:  # pragma: no cover - TODO: drop once fsdp_impl/decoupled.py is always present
-    check_decoupled_grad_consistency = None
 
 Strategy = Union[str, int]
 
@@ -176,9 +173,8 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: A
                     raise ValueError(f"optimizer param group {gi} holds a parameter of shape "
                                      f"{tuple(p.shape)} that is not a parameter of module; the "
                                      "optimizer's params must be the model's")
-    if check_decoupled_grad_consistency is not None:  # fail before anything is wrapped
-        _check_bool("use_decoupled_grad", kwargs.get("use_decoupled_grad", False))
-        check_decoupled_grad_consistency(kwargs.get("use_decoupled_grad", False), optimizer)
+    _check_bool("use_decoupled_grad", kwargs.get("use_decoupled_grad", False))  # fail before wrapping
+    check_decoupled_grad_consistency(kwargs.get("use_decoupled_grad", False), optimizer)
     model = fully_shard_model(module, **kwargs)
     remap_optimizer_params(optimizer, _param_mapping(model))
     return model, fully_shard_optimizer(optimizer)
@@ -200,7 +196,6 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
                                  "optimizer on model.parameters() of the wrapped model")
             if all(engine is not e for e in engines):
                 engines.append(engine)
-    if check_decoupled_grad_consistency is not None:
-        for engine in engines:
-            check_decoupled_grad_consistency(engine.use_decoupled_grad, optimizer)
+    for engine in engines:
+        check_decoupled_grad_consistency(engine.use_decoupled_grad, optimizer)
     return attach_engines(optimizer, engines)

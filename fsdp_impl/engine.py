@@ -51,7 +51,7 @@ class FSDPEngine:
         changed = [u.weights_changed() for u in self.units]
         if self.ctx.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
             flags = torch.tensor(changed, dtype=torch.int32, device=self.ctx.device)
-            comm.all_reduce_max(flags, self.ctx.group)
+            comm.all_reduce_max(flags, None)
             changed = [bool(x) for x in flags.tolist()]
         self._stale = changed
 
@@ -143,13 +143,15 @@ class FSDPEngine:
 
     def _nan_grad_names(self) -> List[str]:
         """FQNs whose synced grad holds a NaN on *any* rank (one MAX all-reduce of per-param
-        flags), so every rank raises the same error instead of only those holding the shard."""
+        flags over the whole mesh, which covers the world), so every rank raises the same error
+        instead of only those holding the shard: TP ranks hold different grads, so the shard
+        group alone could leave a TP peer running on into a collective nobody joins."""
         names = [p.fqn for u in self.units for p in u.trainable]
         per_param = [f for u in self.units for f in u.nan_grad_flags()]
         if not per_param:
             return []
         flags = torch.stack(per_param)  # one device->host sync below, not one per param
-        comm.all_reduce_max(flags, self.ctx.group)
+        comm.all_reduce_max(flags, None)
         return [n for n, f in zip(names, flags.tolist()) if f]
 
     def zero_grad_buffers(self, free: bool = False) -> None:

@@ -248,3 +248,23 @@ def test_tp_dtensor_checkpoint_resume(load_strategy: int, dist_env: Any, shared_
         assert got == expected and worst == 0.0
     else:
         assert max(abs(a - b) / abs(a) for a, b in zip(expected, got)) <= 1e-6 and worst <= 1e-6
+
+
+@pytest.mark.distributed(world_size=4, timeout=300, bucket="mesh_tp_dtensor4")
+def test_nan_on_one_tp_rank_raises_on_every_rank(dist_env: Any) -> None:
+    """TP peers hold different grads: a NaN only on TP rank 0's (plain, TP-replicated) input layer
+    must still make every rank raise, or TP rank 1 would run on into collectives alone (hang)."""
+    mesh = seed_mesh((1, 2, 1, 2), dist_env.device.type)
+    model, _ = _build(mesh, False)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    fsdp_model, opt = fsdp_impl.fully_shard(model, opt, fsdp_unit_modules=[TPBlock], zero_dp_strategy=3,
+                                            report_nan_in_param_grad=True, **seed_kwargs(mesh, None))
+    poison = mesh["tp"].get_local_rank() == 0
+    x, y = _batch(0, 0, 1)
+    hidden = fsdp_model.module.inp
+    handle = hidden.register_forward_hook(
+        lambda mod, args, out: out.register_hook(lambda g: g * float("nan")) and None if poison else None)
+    with pytest.raises(RuntimeError, match=r"NaN found in the gradient of parameter\(s\) \['inp.weight', 'inp.bias'\]"):
+        nn.functional.mse_loss(fsdp_model(x.to(dist_env.device)), y.to(dist_env.device)).backward()
+    handle.remove()
+    dist.barrier()  # every rank got here: none is stuck in a collective
