@@ -34,8 +34,8 @@ since it does not depend on the strategy or mesh (9 runs instead of 96), and Dyn
 kept across cases (no ``torch._dynamo.reset()``): later cases reuse the graphs (5 compiles per rank
 in all), a counting backend asserts that compiled graphs ran in every compiled case, and hitting
 the recompile limit raises instead of silently running eager.
-Measured 2026-11-30 (torch 2.13 CPU, shared 2-core box, load average 12-35): 96 passed, 120
-skipped; wall 3 min 57 s, 411 CPU-seconds (user 353 + sys 58; ~3.5 min on a quiet 2-core box).
+Measured 2026-11-30 (torch 2.13 CPU, shared 2-core box, load average 18-51): 96 passed, 120
+skipped; wall 3 min 51 s, 426 CPU-seconds (user 364 + sys 62; ~3.6 min on a quiet 2-core box).
 Before these changes: wall 15 min 46 s, 1290 CPU-seconds, with 39 cases failing early
 (an fsdp_impl change in progress), i.e. a full pass would have cost more.
 """
