@@ -75,6 +75,7 @@ class Controller:
         self.bucket_count = 0
         self.test_count = 0
         self._root: Optional[pathlib.Path] = None
+        self._item_index: Optional[dict[int, int]] = None  # id(item) -> position in session.items
         atexit.register(self.shutdown)
 
     # ----- collection ---------------------------------------------------------------------------
@@ -134,9 +135,9 @@ class Controller:
             self._start(key)
         bucket = self.active
         assert bucket is not None
-        same_next = nextitem is not None and nextitem.stash.get(BUCKET_KEY, None) == key \
-            and nextitem.get_closest_marker("skip") is None
-        next_id = nextitem.stash[ORIG_NODEID_KEY] if same_next else None
+        upcoming = self._next_runnable(nextitem)
+        same_next = upcoming is not None and upcoming.stash.get(BUCKET_KEY, None) == key
+        next_id = upcoming.stash[ORIG_NODEID_KEY] if same_next else None
         self.test_count += 1
         shared = self.root() / "shared" / f"{self.test_count:05d}-{_safe(item.name)}"
         shared.mkdir(parents=True)
@@ -146,6 +147,26 @@ class Controller:
         elif not same_next:
             self.close_active(graceful=True)
         return ReportBuilder(item, key.world_size, outcome).build()
+
+    def _next_runnable(self, nextitem: Optional[pytest.Item]) -> Optional[pytest.Item]:
+        """The next test that will really run, looking past skip-marked ones (which never reach
+        a bucket): otherwise every skipped test in the middle of a bucket's tests would tear
+        the bucket down and the next test would pay for new rank processes. Under xdist a
+        worker only knows its own ``nextitem`` (its queue is fed as it goes), so no look-ahead."""
+        if nextitem is None or nextitem.get_closest_marker("skip") is None:
+            return nextitem
+        if hasattr(self.config, "workerinput"):
+            return None
+        items = nextitem.session.items
+        if self._item_index is None or len(self._item_index) != len(items):
+            self._item_index = {id(it): i for i, it in enumerate(items)}
+        start = self._item_index.get(id(nextitem))
+        if start is None:
+            return None
+        for candidate in items[start:]:
+            if candidate.get_closest_marker("skip") is None:
+                return candidate
+        return None
 
     def _timeout(self, item: pytest.Item, bucket: Bucket) -> float:
         spec = item.stash[SPEC_KEY]

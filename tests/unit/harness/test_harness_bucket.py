@@ -20,3 +20,16 @@ def test_bucket_processes_gone_after_session(bucket20_run: SampleRun):
     pids = bucket20_run.all_rank_pids()
     assert len(pids) == 4
     assert [p for p in pids if pid_alive(p)] == []
+
+
+def test_skipped_tests_do_not_restart_the_bucket(tmp_path):
+    from harness_selftest import run_samples
+
+    run = run_samples(tmp_path, "sample_bucket_skips.py")
+    assert run.returncode == 0, run.output[-3000:]
+    outcomes = {name.rsplit("::", 1)[-1]: c.outcome for name, c in run.cases.items()}
+    assert outcomes == {"test_a": "passed", "test_b": "skipped", "test_c": "skipped",
+                        "test_d": "passed", "test_e": "skipped"}, outcomes
+    pids = {name.rsplit("::", 1)[-1]: c.rank_props("pid") for name, c in run.cases.items()
+            if c.outcome == "passed"}
+    assert pids["test_a"] == pids["test_d"], "the bucket was restarted around the skipped tests"
