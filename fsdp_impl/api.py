@@ -19,7 +19,7 @@ from .decoupled import check_decoupled_grad_consistency
 from .discovery import UnitSpec, assign_params, find_unit_modules, resolve_unit_classes
 from .engine import FSDPEngine
 from .hooks import register_hooks
-from .hybrid import OuterGradReducer, attach_tp_specs, resolve_parallel_dims
+from .hybrid import OuterGradReducer, attach_tp_specs, resolve_parallel_dims, two_level_groups
 from .mesh import DistIndex, build_mesh, submesh
 from .meta_init import materialise, sync_rng_from_rank0
 from .module import FullyShardedModule
@@ -126,9 +126,11 @@ def fully_shard_model(
     groups = assign_params(module, [name for name, _ in found])
     attach_tp_specs(groups, dims)
     device = pick_device(mesh)
+    inner_group, outer_group = two_level_groups(dims, device)
     ctx = UnitContext(strategy=strategy, shard_mesh=shard_mesh, group=group, plan=dims.plan,
                       rank=dist.get_rank(group), world=dist.get_world_size(group), device=device,
-                      policy=mixed_precision_policy, streams=CommStreams(device))
+                      policy=mixed_precision_policy, streams=CommStreams(device),
+                      inner_group=inner_group, outer_group=outer_group)
     names = [name for name, _ in found] + [""]
     all_units = [FSDPUnit(name or "<root>", group, ctx) for name, group in zip(names, groups)]
     unit_modules = [m for _, m in found]

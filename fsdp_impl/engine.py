@@ -51,7 +51,7 @@ class FSDPEngine:
         changed = [u.weights_changed() for u in self.units]
         if self.ctx.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
             flags = torch.tensor(changed, dtype=torch.int32, device=self.ctx.device)
-            comm.all_reduce_max(flags, None)
+            comm.all_reduce_max(flags, self.ctx.group)
             changed = [bool(x) for x in flags.tolist()]
         self._stale = changed
 

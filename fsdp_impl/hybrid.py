@@ -15,10 +15,12 @@ Designs (correct and simple first):
   accumulated sum once equals reducing every microbatch.
 * **HFSDP** (``'optim'``/1, inner ``'optim_grads_params'``/3 only): main params, grads and
   optimizer state are sharded over the whole hybrid group (``hybrid_fsdp_group``, i.e.
-  dp_outer x dp_shard[x cp]): the units' shard mesh *is* the hybrid group, so all-gathers and
-  reduce-scatters run over it. The outer dim's traffic therefore happens on every microbatch
-  (no separate outer step); a two-level schedule (inner every microbatch, outer once) is a
-  later optimisation.
+  dp_outer x dp_shard[x cp]): the units' shard mesh *is* the hybrid group, so the param
+  all-gathers run over it on every forward/backward. Grads take two levels
+  (``two_level_groups``): a reduce-scatter inside dp_shard every backward, accumulated, and one
+  across dp_outer on the sync backward, so grad traffic crosses dp_outer once per cycle. That
+  needs hybrid rank = outer rank x inner size + inner rank (the seed's flattened ``hsdp`` dim);
+  any other rank order keeps one reduce-scatter over the hybrid group per backward.
 * **TP** (``tp_dim`` of size > 1): a plain model (no DTensor params) is replicated over TP; TP
   ranks see the same data, so their grads are already equal and data-parallel semantics are
   unchanged. DTensor tensor-parallel params (``parallelize_module`` on the tp sub-mesh) are
@@ -33,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -186,3 +189,17 @@ class OuterGradReducer:
             if ensure is not None:
                 ensure()
             comm.all_reduce_avg(buf.data, self.group)
+
+
+def two_level_groups(dims: ParallelDims, device: torch.device) -> tuple:
+    """HFSDP: ``(inner_group, outer_group)`` for the two-level grad reduction, or ``(None, None)``
+    when not HFSDP or the hybrid group's rank order does not nest (outer-major). Every rank must
+    take the same branch (the collectives differ), so the ranks agree with one MIN all-reduce."""
+    if dims.shard_group is None or dims.outer_group is None:
+        return None, None
+    inner = dims.inner_mesh.get_group()
+    nests = dist.get_rank(dims.shard_group) == (dist.get_rank(dims.outer_group) * dist.get_world_size(inner)
+                                                + dist.get_rank(inner))
+    flag = torch.tensor([int(nests)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return (inner, dims.outer_group) if flag.item() else (None, None)

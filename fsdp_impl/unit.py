@@ -58,6 +58,10 @@ class UnitContext:
     device: torch.device
     policy: MixedPrecisionPolicy
     streams: CommStreams
+    # HFSDP two-level grad reduction (both set): reduce-scatter inside ``inner_group`` (dp_shard)
+    # every backward, across ``outer_group`` (dp_outer) only on the sync backward.
+    inner_group: Optional[dist.ProcessGroup] = None
+    outer_group: Optional[dist.ProcessGroup] = None
 
     @property
     def num_shards(self) -> int:
@@ -95,6 +99,7 @@ class FSDPUnit:
                                     ctx.policy.main_params_dtype is not None)
         self._accumulator: Optional[torch.Tensor] = None  # ZeRO-0/1 full-size unsynced grads
         self._pending: Optional[torch.Tensor] = None  # ZeRO-2/3 this backward's grads
+        self._inner_accum: Optional[torch.Tensor] = None  # HFSDP: inner-reduced, unsynced grads
         self._ready = 0
         self._gather: Optional[_Gather] = None  # a prefetched all-gather not yet consumed
         self.reduce_event: Optional[object] = None  # CUDA: marks the last grad reduction done
@@ -264,6 +269,9 @@ class FSDPUnit:
             if full is None:  # no grad arrived: still join the collective with zeros
                 full = torch.zeros(self.grad.layout.total_numel, dtype=comm_dtype, device=self.ctx.device)
             self._pending = None
+            if self.ctx.inner_group is not None:
+                self._reduce_two_level(full, sync)
+                return
         elif sync:
             full = self._full_accumulator().to(comm_dtype)
             self._accumulator = None  # full-size: only held while a cycle accumulates
@@ -279,6 +287,35 @@ class FSDPUnit:
                 out = torch.empty(self.grad.layout.segment_numel, dtype=full.dtype, device=self.ctx.device)
                 comm.reduce_scatter_avg(out, full, group)
                 self.grad.data.add_(out)
+        stream.keep_alive(full)
+        self.reduce_event = stream.record()
+
+    def _reduce_two_level(self, full: torch.Tensor, sync: bool) -> None:
+        """HFSDP: average inside dp_shard now and accumulate; average across dp_outer (and land
+        in the hybrid shard) only on the sync backward, so the outer link carries grads once
+        per optimisation cycle. The hybrid rank is ``outer_rank * inner_size + inner_rank``
+        (checked at wrap time), so ``full`` viewed as [outer, inner, segment] and transposed
+        to [inner, outer * segment] reduce-scatters into this inner rank's [outer, segment]."""
+        ctx, seg = self.ctx, self.grad.layout.segment_numel
+        n_in, n_out = dist.get_world_size(ctx.inner_group), dist.get_world_size(ctx.outer_group)
+        stream = ctx.streams.reduce
+        with stream.use():
+            by_inner = full.view(n_out, n_in, seg).transpose(0, 1).contiguous().view(-1)
+            part = by_inner[: n_out * seg] if n_in == 1 else torch.empty(n_out * seg, dtype=full.dtype,
+                                                                         device=ctx.device)
+            if n_in > 1:
+                comm.reduce_scatter_avg(part, by_inner, ctx.inner_group)
+            if self._inner_accum is None:
+                self._inner_accum = torch.zeros(n_out * seg, dtype=self.dtypes.main_grads, device=ctx.device)
+            self._inner_accum.add_(part)
+            if sync:
+                self.grad.ensure_allocated()
+                out = self._inner_accum.to(full.dtype)
+                if n_out > 1:
+                    out, acc = torch.empty(seg, dtype=full.dtype, device=ctx.device), out
+                    comm.reduce_scatter_avg(out, acc, ctx.outer_group)
+                self.grad.data.add_(out)
+                self._inner_accum = None
         stream.keep_alive(full)
         self.reduce_event = stream.record()
 
@@ -326,6 +363,7 @@ class FSDPUnit:
             elif self.grad.is_allocated:
                 self.grad.data.zero_()
         self._accumulator = None
+        self._inner_accum = None
 
     def nan_grad_flags(self) -> List[torch.Tensor]:
         """Per trainable param, a 0-dim int tensor: does this rank's grad shard hold a NaN?"""

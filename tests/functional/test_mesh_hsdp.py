@@ -107,8 +107,9 @@ def check_hsdp(name: str, strategy: str, device: torch.device, shape: Tuple[int,
 
 
 def check_hfsdp(name: str, device: torch.device, shape: Tuple[int, int, int, int]) -> None:
-    """HFSDP (outer optim, inner 3) on ``shape``: parity, traffic only over the hybrid group, and
-    main params and optimizer state sharded over all of it."""
+    """HFSDP (outer optim, inner 3) on ``shape``: parity; params gathered over the hybrid group,
+    grads reduced in two levels (dp_outer only on the sync microbatch); main params and
+    optimizer state sharded over all of it."""
     mesh, model, opt = _wrap(name, "optim_grads_params", "optim", device, shape=shape)
     counters = [CollectiveCounter(), CollectiveCounter()]
     losses = _train(name, model, opt, mesh, device, counters)
@@ -116,10 +117,21 @@ def check_hfsdp(name: str, device: torch.device, shape: Tuple[int, int, int, int
 
     hybrid = group_ranks(mesh["hsdp"].get_group())
     ways = len(hybrid)
-    for c in counters:
+    inner = group_ranks(model.dist_index.get_fsdp_group())
+    outer = group_ranks(mesh["dp_outer"].get_group())
+    rs = "reduce_scatter_tensor"
+    for c in counters:  # params: gathered over the whole hybrid group on every microbatch
         assert c.count("all_gather_into_tensor") == c.count("all_gather_into_tensor", ranks=hybrid) > 0
-        assert c.count("reduce_scatter_tensor") == c.count("reduce_scatter_tensor", ranks=hybrid) > 0
         assert c.count("all_reduce", mesh["dp_outer"].get_group()) == 0, c.summary()
+    # grads: reduce-scattered inside dp_shard every microbatch (no collective for a 1-rank
+    # dp_shard), across dp_outer once per unit on the sync microbatch only
+    no_sync, sync = counters
+    assert no_sync.count(rs, ranks=outer) == 0, no_sync.summary()
+    assert sync.count(rs, ranks=outer) > 0, sync.summary()
+    per_unit = sync.count(rs, ranks=outer)
+    inner_calls = per_unit if len(inner) > 1 else 0
+    assert no_sync.count(rs) == no_sync.count(rs, ranks=inner) == inner_calls, no_sync.summary()
+    assert sync.count(rs) == inner_calls + per_unit and sync.count(rs, ranks=inner) == inner_calls, sync.summary()
     # main params (hence optimizer state) are sharded over dp_outer x dp_shard
     for n, p in model.module.named_parameters():
         rows = p.shape[0]
