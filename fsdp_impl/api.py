@@ -6,7 +6,7 @@ early and identically on every rank with a message naming the argument and the a
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist

@@ -15,7 +15,6 @@ Measured on CPU (gloo, torch 2.13): errors <= ~3e-7.
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
