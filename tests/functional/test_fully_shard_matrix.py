@@ -118,13 +118,16 @@ class ToyTransformer(nn.Module):
         return self.fc_out(self.transformer(x, y))
 
 
+UNIT_CLASSES = {"cnn": [nn.Conv2d, nn.Linear], "transformer": [nn.Transformer]}  # the seed's fsdp_unit_modules
+
+
 def _build(model_type: str, device: str) -> Tuple[nn.Module, list]:
     torch.manual_seed(0)
     with torch.device(device):
         if model_type == "cnn":
-            return ToyCNN(), [nn.Conv2d, nn.Linear]
+            return ToyCNN(), UNIT_CLASSES["cnn"]
         if model_type == "transformer":
-            return ToyTransformer(), [nn.Transformer]
+            return ToyTransformer(), UNIT_CLASSES["transformer"]
     raise ValueError(f"model_type {model_type!r} has no CPU build; allowed values: ['cnn', 'transformer']")
 
 
@@ -270,7 +273,7 @@ def _compiled(model: nn.Module, model_type: str, backend: Any) -> nn.Module:
     model with each unit module's ``forward`` compiled (hooks outside the compiled code)."""
     if not _old_dynamo():
         return torch.compile(model, backend=backend)
-    units = tuple(_build(model_type, "meta")[1])
+    units = tuple(UNIT_CLASSES[model_type])
     for sub in model.module.modules():
         if isinstance(sub, units):
             sub.forward = torch.compile(type(sub).forward.__get__(sub), backend=backend)

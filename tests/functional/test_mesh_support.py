@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdp_impl.device import default_device_type
+
 DIMS = ("dp_outer", "dp_shard", "cp", "tp")
 
 
@@ -70,9 +72,7 @@ def full_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 def comm_device() -> torch.device:
     """Where small check tensors must live for the default group's backend (NCCL: the GPU)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device(default_device_type())
 
 
 def assert_same_on_all_ranks(tensors: Dict[str, torch.Tensor], what: str) -> None:

@@ -15,7 +15,7 @@ Measured on CPU (gloo, torch 2.13): errors <= ~3e-7.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp_impl
+from tests.functional.common.training import train_accumulating
 from tests.functional.test_mesh_support import seed_kwargs, seed_mesh
 
 D, H, STEPS, MICRO, LOCAL = 8, 12, 3, 2, 4
@@ -142,20 +143,22 @@ def _wrap(mesh: Any, strategy: int, outer: Optional[str], meta: bool = False, se
     return fsdp_model, opt, original
 
 
-def _train_step(fsdp_model: nn.Module, opt: Any, step: int, mesh: Any, outer: Optional[str],
-                device: torch.device) -> float:
-    """One optimisation step of MICRO microbatches (no sync, then sync); the global loss."""
+def _train(fsdp_model: nn.Module, opt: Any, mesh: Any, outer: Optional[str], device: torch.device,
+           first: int, steps: int, before_step: Optional[Callable[[int], None]] = None) -> List[float]:
+    """Steps ``first``.. of MICRO microbatches (no sync, then sync) on this rank's slice; the
+    global losses."""
     pos, size = _data_slot(mesh, outer)
-    total = torch.zeros((), device=device)
-    for m in range(MICRO):
-        fsdp_model.set_model_auto_sync(m == MICRO - 1)
-        x, y = _batch(step, m, size)
-        x, y = (t[pos * LOCAL:(pos + 1) * LOCAL].to(device) for t in (x, y))
-        loss = nn.functional.mse_loss(fsdp_model(x), y) / MICRO
-        loss.backward()
-        total += loss.detach()
-    dist.all_reduce(total, op=dist.ReduceOp.AVG)
-    return total.item()
+
+    def microbatches(step: int) -> List[Tuple[List[torch.Tensor], torch.Tensor]]:
+        out = []
+        for m in range(MICRO):
+            x, y = _batch(step, m, size)
+            x, y = (t[pos * LOCAL:(pos + 1) * LOCAL].to(device) for t in (x, y))
+            out.append(([x], y))
+        return out
+
+    return train_accumulating(fsdp_model, opt, steps, microbatches, nn.functional.mse_loss, device,
+                              first=first, before_step=before_step)
 
 
 def run_case(dist_env: Any, shape: Tuple[int, int, int, int], strategy: int, outer: Optional[str],
@@ -171,15 +174,16 @@ def run_case(dist_env: Any, shape: Tuple[int, int, int, int], strategy: int, out
     ref = TPNet()
     ref.load_state_dict(initial)
     ref_losses, ref_grads0, ref_params = _train_reference(ref, _data_slot(mesh, outer)[1])
-    for step in range(STEPS):
-        loss = _train_step(fsdp_model, opt, step, mesh, outer, dist_env.device)
-        errors["loss"] = max(errors["loss"], abs(loss - ref_losses[step]) / abs(ref_losses[step]))
+
+    def check_grads(step: int) -> None:
         if step == 0:
             for n, p in fsdp_model.module.named_parameters():
                 assert p.grad is not None, f"{n}: no grad after the sync microbatch"
                 errors["grad"] = max(errors["grad"], _rel(_full(p.grad), ref_grads0[n]))
-        opt.step()
-        opt.zero_grad()
+
+    for step in range(STEPS):
+        loss = _train(fsdp_model, opt, mesh, outer, dist_env.device, step, 1, check_grads)[0]
+        errors["loss"] = max(errors["loss"], abs(loss - ref_losses[step]) / abs(ref_losses[step]))
         for n, p in fsdp_model.module.named_parameters():
             errors["param"] = max(errors["param"], _rel(_full(p), ref_params[step][n]))
     print(f"[measure] tp-dtensor shape={shape} strategy={strategy} outer={outer} meta={meta} {errors}")
@@ -223,23 +227,13 @@ def test_tp_dtensor_checkpoint_resume(load_strategy: int, dist_env: Any, shared_
 
     mesh = seed_mesh((1, 2, 1, 2), dist_env.device.type)
     model, opt, _ = _wrap(mesh, 3, None)
-    _train_step(model, opt, 0, mesh, None, dist_env.device)
-    opt.step()
-    opt.zero_grad()
+    _train(model, opt, mesh, None, dist_env.device, 0, 1)
     checkpoint.save(shared_tmp_path / "tp", model, opt)
-    expected = []
-    for step in (1, 2):
-        expected.append(_train_step(model, opt, step, mesh, None, dist_env.device))
-        opt.step()
-        opt.zero_grad()
+    expected = _train(model, opt, mesh, None, dist_env.device, 1, 2)
     final = {n: _full(p) for n, p in model.module.named_parameters()}
     resumed, ropt, _ = _wrap(mesh, load_strategy, None, seed=1)
     checkpoint.load(shared_tmp_path / "tp", resumed, ropt)
-    got = []
-    for step in (1, 2):
-        got.append(_train_step(resumed, ropt, step, mesh, None, dist_env.device))
-        ropt.step()
-        ropt.zero_grad()
+    got = _train(resumed, ropt, mesh, None, dist_env.device, 1, 2)
     worst = max(_rel(_full(p), final[n]) for n, p in resumed.module.named_parameters())
     print(f"[measure] tp-dtensor resume strategy 3 -> {load_strategy}: losses {expected} vs {got}, "
           f"param error {worst:.3g}")

@@ -39,7 +39,8 @@ def local_slice(t: torch.Tensor, rank: int, per_rank: int) -> torch.Tensor:
 
 def train_accumulating(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int,
                        microbatches: Callable[[int], Sequence[Microbatch]], loss: LossFn,
-                       device: torch.device, record: Optional[Recorder] = None) -> List[float]:
+                       device: torch.device, record: Optional[Recorder] = None, first: int = 0,
+                       before_step: Optional[Callable[[int], None]] = None) -> List[float]:
     """``steps`` optimisation cycles of gradient accumulation; return each step's global loss.
 
     Each cycle runs the microbatches ``microbatches(step)`` gives this rank with auto-sync off
@@ -48,10 +49,11 @@ def train_accumulating(model: torch.nn.Module, opt: torch.optim.Optimizer, steps
     rank-average of the accumulated loss, i.e. the full-batch loss when ranks hold equal slices.
     ``record(step, m)`` may return a context (e.g. a ``CollectiveCounter``) entered around
     microbatch ``m``'s forward and backward only, so it sees the engine's traffic and not the
-    loss all-reduce.
+    loss all-reduce. Steps are numbered from ``first`` (to resume a run); ``before_step(step)``
+    runs after the sync backward, before ``opt.step()`` (to inspect the synced grads).
     """
     losses: List[float] = []
-    for step in range(steps):
+    for step in range(first, first + steps):
         batches = microbatches(step)
         total = torch.zeros((), device=device)
         for m, (xs, target) in enumerate(batches):
@@ -63,6 +65,8 @@ def train_accumulating(model: torch.nn.Module, opt: torch.optim.Optimizer, steps
             total += value.detach()
         dist.all_reduce(total, op=dist.ReduceOp.AVG)
         losses.append(total.item())
+        if before_step is not None:
+            before_step(step)
         opt.step()
         opt.zero_grad()
     return losses
