@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.gpt import GPT, Block, GPTConfig  # noqa: E402
+from bench.gpt import GPT, Block, GPTConfig
 
 
 def parse_args() -> argparse.Namespace:

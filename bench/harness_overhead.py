@@ -111,7 +111,7 @@ def bench_harness(tmp: pathlib.Path, ws: int, n: int) -> dict[str, float]:
     data = json.loads(out.read_text())
     ids = sorted(data["start"], key=data["start"].get)
     finishes = [data["finish"][i] for i in ids]
-    gaps = [b - a for a, b in zip(finishes, finishes[1:])]
+    gaps = [b - a for a, b in zip(finishes, finishes[1:], strict=True)]
     per_test = statistics.median(gaps)
     first = finishes[0] - data["start"][ids[0]]
     return {"total": total, "in_session": data["session_finish"] - data["session_start"],

@@ -6,7 +6,7 @@ early and identically on every rank with a message naming the argument and the a
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -14,8 +14,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .buffers import ParamAndGradBuffer
-from .device import CommStreams, pick_device
 from .decoupled import check_decoupled_grad_consistency
+from .device import CommStreams, pick_device
 from .discovery import UnitSpec, assign_params, find_unit_modules, resolve_unit_classes
 from .engine import FSDPEngine
 from .hooks import register_hooks
@@ -26,7 +26,6 @@ from .module import FullyShardedModule
 from .optimizer import attach_engines, remap_optimizer_params
 from .policy import MixedPrecisionPolicy, ShardingStrategy, parse_strategy
 from .unit import FSDPUnit, UnitContext
-
 
 Strategy = Union[str, int]
 
@@ -40,9 +39,9 @@ def _check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
-def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: Optional[str], tp_dim: Optional[str],
+def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_dim: str | None,
               hybrid_fsdp_group: Any, strategy: ShardingStrategy, outer: ShardingStrategy,
-              meta_init: bool, policy: Any, flags: Dict[str, Any]) -> None:
+              meta_init: bool, policy: Any, flags: dict[str, Any]) -> None:
     """Checks that need the mesh; raise before anything is allocated."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -69,7 +68,7 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: Optional[str], 
                          "strategies: 'optim'/1, 'optim_grads'/2, 'optim_grads_params'/3")
 
 
-def _shard_units(module: nn.Module, units: List[FSDPUnit], unit_modules: List[nn.Module],
+def _shard_units(module: nn.Module, units: list[FSDPUnit], unit_modules: list[nn.Module],
                  groups: list, ctx: UnitContext, meta_init: bool) -> None:
     """Fill every unit's weight buffer (materialising meta tensors unit by unit if asked)."""
     has_meta = any(p.orig.is_meta for g in groups for p in g) or any(b.is_meta for b in module.buffers())
@@ -90,11 +89,11 @@ def _shard_units(module: nn.Module, units: List[FSDPUnit], unit_modules: List[nn
 
 def fully_shard_model(
     module: nn.Module,
-    device_mesh: Optional[DeviceMesh] = None,
-    dp_shard_dim: Optional[str] = None,
-    dp_outer_dim: Optional[str] = None,
-    tp_dim: Optional[str] = None,
-    hybrid_fsdp_group: Optional[dist.ProcessGroup] = None,
+    device_mesh: DeviceMesh | None = None,
+    dp_shard_dim: str | None = None,
+    dp_outer_dim: str | None = None,
+    tp_dim: str | None = None,
+    hybrid_fsdp_group: dist.ProcessGroup | None = None,
     fsdp_unit_modules: UnitSpec = None,
     zero_dp_strategy: Strategy = 3,
     outer_dp_sharding_strategy: Strategy = 0,
@@ -132,7 +131,7 @@ def fully_shard_model(
                       policy=mixed_precision_policy, streams=CommStreams(device),
                       inner_group=inner_group, outer_group=outer_group)
     names = [name for name, _ in found] + [""]
-    all_units = [FSDPUnit(name or "<root>", group, ctx) for name, group in zip(names, groups)]
+    all_units = [FSDPUnit(name or "<root>", group, ctx) for name, group in zip(names, groups, strict=True)]
     unit_modules = [m for _, m in found]
     _shard_units(module, all_units, unit_modules, groups, ctx, init_model_with_meta_device)
     keep = [i for i, u in enumerate(all_units[:-1]) if u.params]  # units whose params all went to root
@@ -151,9 +150,9 @@ def fully_shard_model(
     return wrapper
 
 
-def _param_mapping(model: FullyShardedModule) -> Dict[int, nn.Parameter]:
+def _param_mapping(model: FullyShardedModule) -> dict[int, nn.Parameter]:
     """id(original param) -> DTensor shard, plus the shards themselves (already-remapped optimizers)."""
-    mapping: Dict[int, nn.Parameter] = {}
+    mapping: dict[int, nn.Parameter] = {}
     for unit in model._fsdp_engine.units:
         for p in unit.params:
             mapping[id(p.orig)] = p.sharded
@@ -162,7 +161,7 @@ def _param_mapping(model: FullyShardedModule) -> Dict[int, nn.Parameter]:
 
 
 def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any
-                ) -> Tuple[FullyShardedModule, torch.optim.Optimizer]:
+                ) -> tuple[FullyShardedModule, torch.optim.Optimizer]:
     """``fully_shard_model`` + point ``optimizer``'s param groups at the shards (``**kwargs`` are
     ``fully_shard_model``'s arguments)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -187,7 +186,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     buffers in ``zero_grad``; returns the same object."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    engines: List[FSDPEngine] = []
+    engines: list[FSDPEngine] = []
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             ref = getattr(p, "_fsdp_engine_ref", None)

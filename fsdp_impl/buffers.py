@@ -6,7 +6,7 @@ collective and later features (CUDA graphs, checkpoint, FP8) can address it as o
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -61,7 +61,7 @@ class ParameterGroup:
     without trainable params.
     """
 
-    def __init__(self, name: str, weight: DataParallelBuffer, grad: Optional[DataParallelBuffer],
+    def __init__(self, name: str, weight: DataParallelBuffer, grad: DataParallelBuffer | None,
                  has_main_params: bool) -> None:
         self.name = name
         self.model_weight_buffer = weight
@@ -72,6 +72,6 @@ class ParameterGroup:
 class ParamAndGradBuffer:
     """``model.param_and_grad_buffer``: all units' buffers plus the decoupled-grad switch."""
 
-    def __init__(self, parameter_groups: List[ParameterGroup], use_decoupled_grad: bool) -> None:
+    def __init__(self, parameter_groups: list[ParameterGroup], use_decoupled_grad: bool) -> None:
         self.parameter_groups = parameter_groups
         self.use_decoupled_grad = use_decoupled_grad

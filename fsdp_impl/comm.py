@@ -3,7 +3,6 @@ and the same ops run on gloo (CPU) and NCCL (GPU)."""
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +26,6 @@ def all_reduce_avg(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
 
 
-def all_reduce_max(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """MAX over ``group`` (``None``: the default group, i.e. every rank)."""
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)

@@ -6,7 +6,7 @@ On CUDA, collectives run on side streams ordered against the compute stream with
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ class CommStream:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._stream: Optional["torch.cuda.Stream"] = (
+        self._stream: torch.cuda.Stream | None = (
             torch.cuda.Stream(device=device) if device.type == "cuda" else None)
 
     @contextlib.contextmanager
@@ -60,14 +60,14 @@ class CommStream:
         with torch.cuda.stream(self._stream):
             yield
 
-    def record(self) -> Optional["torch.cuda.Event"]:
+    def record(self) -> torch.cuda.Event | None:
         if self._stream is None:
             return None
         event = torch.cuda.Event()
         event.record(self._stream)
         return event
 
-    def wait(self, event: Optional["torch.cuda.Event"]) -> None:
+    def wait(self, event: torch.cuda.Event | None) -> None:
         """Make the current (compute) stream wait for ``event``; no-op on CPU."""
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)

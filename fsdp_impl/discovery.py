@@ -6,16 +6,17 @@ set or id-ordered dict), so every rank builds the same units in the same order.
 from __future__ import annotations
 
 import importlib
-from typing import Dict, List, Optional, Sequence, Tuple, Type, Union
+from collections.abc import Sequence
+from typing import Optional
 
 import torch.nn as nn
 
 from .param import ManagedParam
 
-UnitSpec = Optional[Sequence[Union[str, Type[nn.Module]]]]
+UnitSpec = Optional[Sequence[str | type[nn.Module]]]
 
 
-def resolve_unit_classes(spec: UnitSpec) -> Tuple[Type[nn.Module], ...]:
+def resolve_unit_classes(spec: UnitSpec) -> tuple[type[nn.Module], ...]:
     """Classes from ``fsdp_unit_modules`` (classes or "pkg.mod.Class" strings)."""
     if spec is None:
         return ()
@@ -40,9 +41,9 @@ def resolve_unit_classes(spec: UnitSpec) -> Tuple[Type[nn.Module], ...]:
     return tuple(classes)
 
 
-def find_unit_modules(root: nn.Module, classes: Tuple[Type[nn.Module], ...]) -> List[Tuple[str, nn.Module]]:
+def find_unit_modules(root: nn.Module, classes: tuple[type[nn.Module], ...]) -> list[tuple[str, nn.Module]]:
     """Outermost submodules that are instances of ``classes`` (a match's descendants are skipped)."""
-    found: List[Tuple[str, nn.Module]] = []
+    found: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
         if module is root or not isinstance(module, classes):
             continue
@@ -56,18 +57,18 @@ def find_unit_modules(root: nn.Module, classes: Tuple[Type[nn.Module], ...]) -> 
     return found
 
 
-def _unit_of(module_name: str, unit_names: List[str]) -> int:
+def _unit_of(module_name: str, unit_names: list[str]) -> int:
     for i, prefix in enumerate(unit_names):
         if module_name == prefix or module_name.startswith(prefix + "."):
             return i
     return len(unit_names)  # root
 
 
-def assign_params(root: nn.Module, unit_names: List[str]) -> List[List[ManagedParam]]:
+def assign_params(root: nn.Module, unit_names: list[str]) -> list[list[ManagedParam]]:
     """Per unit (root last) the params it owns. A param referenced from more than one unit
     (tied weights across units) goes to the root, which is unsharded for the whole forward."""
-    info: Dict[int, dict] = {}
-    order: List[int] = []
+    info: dict[int, dict] = {}
+    order: list[int] = []
     for mod_name, module in root.named_modules(remove_duplicate=False):
         for pname, param in module._parameters.items():
             if param is None:
@@ -83,7 +84,7 @@ def assign_params(root: nn.Module, unit_names: List[str]) -> List[List[ManagedPa
             owner = _unit_of(mod_name, unit_names)
             if owner not in entry["owners"]:
                 entry["owners"].append(owner)
-    groups: List[List[ManagedParam]] = [[] for _ in range(len(unit_names) + 1)]
+    groups: list[list[ManagedParam]] = [[] for _ in range(len(unit_names) + 1)]
     for key in order:
         entry = info[key]
         owner = entry["owners"][0] if len(entry["owners"]) == 1 else len(unit_names)

@@ -6,7 +6,7 @@ whether the end-of-backward callback is queued.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -20,7 +20,7 @@ from .unit import FSDPUnit, UnitContext
 class FSDPEngine:
     """Drives the units of one model through forward, backward and grad sync."""
 
-    def __init__(self, units: List[FSDPUnit], root: FSDPUnit, ctx: UnitContext, sync: bool,
+    def __init__(self, units: list[FSDPUnit], root: FSDPUnit, ctx: UnitContext, sync: bool,
                  use_decoupled_grad: bool, report_nan: bool) -> None:
         self.units = units  # fixed order, identical on every rank; root is last
         for i, unit in enumerate(units):
@@ -31,15 +31,15 @@ class FSDPEngine:
         self.use_decoupled_grad = use_decoupled_grad
         self.report_nan = report_nan
         # HSDP: averages grads across dp_outer once per cycle (fsdp_impl.hybrid.OuterGradReducer)
-        self.outer_reducer: Optional[Any] = None
-        self.comm_dtype_override: Optional[torch.dtype] = None
+        self.outer_reducer: Any | None = None
+        self.comm_dtype_override: torch.dtype | None = None
         self._callback_queued = False
-        self._stale: List[bool] = [True] * len(units)
+        self._stale: list[bool] = [True] * len(units)
         # Non-root units in the order their forwards ran: this iteration's (for backward
         # prefetch) and the previous one's (for forward prefetch). Identical on all ranks as long
         # as the model's control flow is, which keeps the prefetch collectives in lockstep.
-        self._order: List[FSDPUnit] = []
-        self._prev_order: List[FSDPUnit] = []
+        self._order: list[FSDPUnit] = []
+        self._prev_order: list[FSDPUnit] = []
 
     # ------------------------------------------------------------------- forward
     def comm_dtype(self, unit: FSDPUnit) -> torch.dtype:
@@ -103,7 +103,7 @@ class FSDPEngine:
             self._prefetch_after(unit, self._order, -1)
 
     @staticmethod
-    def _prefetch_after(unit: FSDPUnit, order: List[FSDPUnit], step: int) -> None:
+    def _prefetch_after(unit: FSDPUnit, order: list[FSDPUnit], step: int) -> None:
         """ZeRO-3: start the all-gather of the unit that runs after ``unit`` (forward: next in
         the previous forward order; backward: previous in this forward's order)."""
         if unit not in order:
@@ -141,7 +141,7 @@ class FSDPEngine:
         for unit in self.units:
             unit.install_grads(self.use_decoupled_grad)
 
-    def _nan_grad_names(self) -> List[str]:
+    def _nan_grad_names(self) -> list[str]:
         """FQNs whose synced grad holds a NaN on *any* rank (one MAX all-reduce of per-param
         flags over the whole mesh, which covers the world), so every rank raises the same error
         instead of only those holding the shard: TP ranks hold different grads, so the shard
@@ -152,7 +152,7 @@ class FSDPEngine:
             return []
         flags = torch.stack(per_param)  # one device->host sync below, not one per param
         comm.all_reduce_max(flags, None)
-        return [n for n, f in zip(names, flags.tolist()) if f]
+        return [n for n, f in zip(names, flags.tolist(), strict=True) if f]
 
     def zero_grad_buffers(self, free: bool = False) -> None:
         for unit in self.units:

@@ -5,7 +5,7 @@ style); the handles are kept so ``remove_hooks`` can undo everything.
 """
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -44,11 +44,11 @@ class _GradReady:
         self.engine.grad_ready(self.unit, self.param)
 
 
-def register_hooks(engine: FSDPEngine, unit_modules: List[nn.Module]) -> List[RemovableHandle]:
+def register_hooks(engine: FSDPEngine, unit_modules: list[nn.Module]) -> list[RemovableHandle]:
     """Forward pre/post hooks on each unit module (the root is driven by the wrapper's forward)
     and a post-accumulate-grad hook on every trainable compute param."""
-    handles: List[RemovableHandle] = []
-    for unit, module in zip(engine.units, unit_modules):
+    handles: list[RemovableHandle] = []
+    for unit, module in zip(engine.units, unit_modules, strict=True):
         if unit is not engine.root:
             handles.append(module.register_forward_pre_hook(_PreForward(engine, unit)))
             handles.append(module.register_forward_hook(_PostForward(engine, unit)))

@@ -33,7 +33,6 @@ Designs (correct and simple first):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,21 +52,21 @@ class ParallelDims:
     mesh: DeviceMesh
     inner_mesh: DeviceMesh  # the dp_shard_dim sub-mesh (the "fsdp group")
     shard_mesh: DeviceMesh  # what the units shard over: inner_mesh, or the hybrid group (HFSDP)
-    outer_group: Optional[dist.ProcessGroup] = None
-    hybrid_group: Optional[dist.ProcessGroup] = None
-    tp_group: Optional[dist.ProcessGroup] = None
+    outer_group: dist.ProcessGroup | None = None
+    hybrid_group: dist.ProcessGroup | None = None
+    tp_group: dist.ProcessGroup | None = None
     outer_reduce: bool = False  # HSDP: all-reduce grads across outer_group on the sync backward
-    shard_group: Optional[dist.ProcessGroup] = None  # collectives of the units (None: shard_mesh's)
-    tp_mesh: Optional[DeviceMesh] = None
-    tp_dim: Optional[str] = None
-    plan: Optional[PlacementPlan] = None  # meshes/placements of the sharded DTensors
+    shard_group: dist.ProcessGroup | None = None  # collectives of the units (None: shard_mesh's)
+    tp_mesh: DeviceMesh | None = None
+    tp_dim: str | None = None
+    plan: PlacementPlan | None = None  # meshes/placements of the sharded DTensors
 
 
-def _ranks(group: dist.ProcessGroup) -> List[int]:
+def _ranks(group: dist.ProcessGroup) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
-def _check_pairing(dp_outer_dim: Optional[str], hybrid_fsdp_group: object, outer: ShardingStrategy) -> None:
+def _check_pairing(dp_outer_dim: str | None, hybrid_fsdp_group: object, outer: ShardingStrategy) -> None:
     if (dp_outer_dim is None) != (hybrid_fsdp_group is None):
         given, missing = (("dp_outer_dim", "hybrid_fsdp_group") if dp_outer_dim is not None
                           else ("hybrid_fsdp_group", "dp_outer_dim"))
@@ -98,8 +97,8 @@ def _check_hybrid_group(inner: DeviceMesh, outer: DeviceMesh, hybrid: dist.Proce
                          "the group of the flattened dp_outer x dp_shard_dim dim")
 
 
-def resolve_parallel_dims(mesh: DeviceMesh, inner_mesh: DeviceMesh, dp_shard_dim: Optional[str],
-                          dp_outer_dim: Optional[str], tp_dim: Optional[str], hybrid_fsdp_group: object,
+def resolve_parallel_dims(mesh: DeviceMesh, inner_mesh: DeviceMesh, dp_shard_dim: str | None,
+                          dp_outer_dim: str | None, tp_dim: str | None, hybrid_fsdp_group: object,
                           strategy: ShardingStrategy, outer: ShardingStrategy) -> ParallelDims:
     """Validate the HSDP/TP arguments and pick the groups (no collective is issued here)."""
     _check_pairing(dp_outer_dim, hybrid_fsdp_group, outer)
@@ -135,7 +134,7 @@ def resolve_parallel_dims(mesh: DeviceMesh, inner_mesh: DeviceMesh, dp_shard_dim
     return dims
 
 
-def _own_names(mesh: DeviceMesh) -> Optional[tuple]:
+def _own_names(mesh: DeviceMesh) -> tuple | None:
     names = mesh.mesh_dim_names
     return tuple(names) if names and mesh.ndim == 1 else None
 
@@ -151,7 +150,7 @@ def _hybrid_mesh(mesh: DeviceMesh, hybrid: dist.ProcessGroup) -> tuple:
 
 
 def _hsdp_plan(mesh: DeviceMesh, fallback: PlacementPlan, names: tuple, sharded: bool,
-               tp_dim: Optional[str]) -> PlacementPlan:
+               tp_dim: str | None) -> PlacementPlan:
     """HSDP params are ``[Replicate(), Shard(0)]`` over ``(dp_outer, dp_shard)``; a mesh whose
     dims cannot be sliced in that order keeps the 1-D inner-mesh description."""
     try:
@@ -161,7 +160,7 @@ def _hsdp_plan(mesh: DeviceMesh, fallback: PlacementPlan, names: tuple, sharded:
     return PlacementPlan(mesh, dp_mesh, names, True, sharded, tp_dim)
 
 
-def attach_tp_specs(groups: List[List[ManagedParam]], dims: ParallelDims) -> None:
+def attach_tp_specs(groups: list[list[ManagedParam]], dims: ParallelDims) -> None:
     """Record which params are tensor-parallel DTensors (checked here, before any allocation);
     their TP-local shape is what the units lay out and shard."""
     specs = []
@@ -179,7 +178,7 @@ class OuterGradReducer:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
 
-    def reduce(self, grad_buffers: List[object]) -> None:
+    def reduce(self, grad_buffers: list[object]) -> None:
         """``grad_buffers``: the units' ``DataParallelBuffer``s (``None`` for frozen-only units),
         in the engine's unit order, identical on every rank."""
         for buf in grad_buffers:

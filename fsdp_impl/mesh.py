@@ -1,15 +1,13 @@
 """Device-mesh validation and the process-group index exposed as ``model.dist_index``."""
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .device import default_device_type
 
 
-def mesh_dim_names(mesh: DeviceMesh) -> List[str]:
+def mesh_dim_names(mesh: DeviceMesh) -> list[str]:
     """Dim names addressable on ``mesh``: its own and those flattened from it."""
     names = list(mesh.mesh_dim_names or ())
     for attr in ("_flatten_mapping",):  # torch >= 2.6 keeps flattened sub-meshes here
@@ -28,7 +26,7 @@ def submesh(mesh: DeviceMesh, name: str, arg_name: str) -> DeviceMesh:
                          f"{mesh_dim_names(mesh)}") from err
 
 
-def build_mesh(device_mesh: Optional[DeviceMesh], dp_shard_dim: Optional[str]) -> tuple:
+def build_mesh(device_mesh: DeviceMesh | None, dp_shard_dim: str | None) -> tuple:
     """Return ``(mesh, shard_mesh)`` after checking the mesh covers the world."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialised default process group "
@@ -59,9 +57,9 @@ class DistIndex:
     """Process groups of the wrapped model; ``None`` for parallelism not in use."""
 
     def __init__(self, mesh: DeviceMesh, shard_mesh: DeviceMesh,
-                 outer_group: Optional[dist.ProcessGroup] = None,
-                 hybrid_group: Optional[dist.ProcessGroup] = None,
-                 tp_group: Optional[dist.ProcessGroup] = None) -> None:
+                 outer_group: dist.ProcessGroup | None = None,
+                 hybrid_group: dist.ProcessGroup | None = None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
         self.device_mesh = mesh
         self.shard_mesh = shard_mesh  # the dp_shard_dim sub-mesh (inner group, also under HFSDP)
         self._outer_group = outer_group
@@ -71,13 +69,13 @@ class DistIndex:
     def get_fsdp_group(self) -> dist.ProcessGroup:
         return self.shard_mesh.get_group()
 
-    def get_outer_fsdp_group(self) -> Optional[dist.ProcessGroup]:
+    def get_outer_fsdp_group(self) -> dist.ProcessGroup | None:
         return self._outer_group
 
-    def get_hybrid_fsdp_group(self) -> Optional[dist.ProcessGroup]:
+    def get_hybrid_fsdp_group(self) -> dist.ProcessGroup | None:
         return self._hybrid_group
 
-    def get_tp_group(self) -> Optional[dist.ProcessGroup]:
+    def get_tp_group(self) -> dist.ProcessGroup | None:
         return self._tp_group
 
     @property

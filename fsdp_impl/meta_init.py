@@ -9,7 +9,7 @@ after the same ``torch.manual_seed`` would).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,11 +19,11 @@ from .device import get_rng_state, set_rng_state
 from .param import ManagedParam
 
 
-def _reset_fn(module: nn.Module) -> Optional[Callable[[], None]]:
+def _reset_fn(module: nn.Module) -> Callable[[], None] | None:
     return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
 
 
-def _materialise_direct(module: nn.Module, by_id: Dict[int, ManagedParam], device: torch.device) -> bool:
+def _materialise_direct(module: nn.Module, by_id: dict[int, ManagedParam], device: torch.device) -> bool:
     """Give the module's own meta params/buffers real storage; True if anything was meta."""
     touched = False
     with torch.no_grad():
@@ -49,7 +49,7 @@ def sync_rng_from_rank0(device: torch.device, group: dist.ProcessGroup) -> None:
     set_rng_state(state[0], device)
 
 
-def materialise(root: nn.Module, groups: List[List[ManagedParam]], unit_modules: List[nn.Module],
+def materialise(root: nn.Module, groups: list[list[ManagedParam]], unit_modules: list[nn.Module],
                 device: torch.device, on_unit_ready: Callable[[int], None]) -> None:
     """Post-order walk; ``on_unit_ready(i)`` fires when unit i's subtree is materialised
     (the root group, index ``len(unit_modules)``, fires last)."""

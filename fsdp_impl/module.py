@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -18,7 +19,7 @@ class FullyShardedModule(nn.Module):
     and drives the root unit around each forward."""
 
     def __init__(self, module: nn.Module, engine: FSDPEngine, buffer: ParamAndGradBuffer,
-                 dist_index: DistIndex, hook_handles: List[Any]) -> None:
+                 dist_index: DistIndex, hook_handles: list[Any]) -> None:
         super().__init__()
         self.module = module
         self._fsdp_engine = engine

@@ -6,22 +6,20 @@ swapped for a one-off subclass that adds the buffer reset (``isinstance`` checks
 """
 from __future__ import annotations
 
-from typing import Dict, List
-
 import torch
 
 from .engine import FSDPEngine
 from .module import reset_decoupled_grads
 
 
-def remap_optimizer_params(optimizer: torch.optim.Optimizer, mapping: Dict[int, torch.nn.Parameter]) -> None:
+def remap_optimizer_params(optimizer: torch.optim.Optimizer, mapping: dict[int, torch.nn.Parameter]) -> None:
     """Replace each original param in the optimizer's groups by its DTensor shard, in place."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if any(len(s) for s in optimizer.state.values()):
         raise ValueError("optimizer already has state (it has stepped); build it on the unwrapped "
                          "module's params before any step, or on model.parameters() after wrapping")
-    new_groups: List[List[torch.nn.Parameter]] = []
+    new_groups: list[list[torch.nn.Parameter]] = []
     for gi, group in enumerate(optimizer.param_groups):
         params = []
         for p in group["params"]:
@@ -31,7 +29,7 @@ def remap_optimizer_params(optimizer: torch.optim.Optimizer, mapping: Dict[int, 
                                  "the optimizer's params must be the model's")
             params.append(mapping[id(p)])
         new_groups.append(params)
-    for group, params in zip(optimizer.param_groups, new_groups):
+    for group, params in zip(optimizer.param_groups, new_groups, strict=True):
         group["params"] = params
     optimizer.state.clear()
 
@@ -39,7 +37,7 @@ def remap_optimizer_params(optimizer: torch.optim.Optimizer, mapping: Dict[int, 
 class _FSDPOptimizerMixin:
     """Adds the FSDP buffer reset to ``zero_grad``."""
 
-    _fsdp_engines: List[FSDPEngine]
+    _fsdp_engines: list[FSDPEngine]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for engine in self._fsdp_engines:
@@ -49,7 +47,7 @@ class _FSDPOptimizerMixin:
             reset_decoupled_grads((p for g in self.param_groups for p in g["params"]), set_to_none)  # type: ignore[attr-defined]
 
 
-def attach_engines(optimizer: torch.optim.Optimizer, engines: List[FSDPEngine]) -> torch.optim.Optimizer:
+def attach_engines(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine]) -> torch.optim.Optimizer:
     """Give ``optimizer`` the FSDP ``zero_grad`` (idempotent; several models may share one)."""
     if isinstance(optimizer, _FSDPOptimizerMixin):
         for engine in engines:

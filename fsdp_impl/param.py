@@ -7,8 +7,6 @@ param a TP DTensor whose local tensor is the full TP-local tensor.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
-
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -19,7 +17,7 @@ from .placement import TPSpec
 class ManagedParam:
     """Static facts about one parameter plus its sharded / unsharded tensors."""
 
-    def __init__(self, fqn: str, orig: nn.Parameter, locations: List[Tuple[nn.Module, str]]) -> None:
+    def __init__(self, fqn: str, orig: nn.Parameter, locations: list[tuple[nn.Module, str]]) -> None:
         if orig.dim() == 0:
             raise ValueError(f"parameter {fqn!r} is 0-dimensional; fully_shard needs params with at "
                              "least one dim (use shape (1,) instead)")
@@ -28,12 +26,12 @@ class ManagedParam:
         self.locations = locations  # every (module, attr) that holds it (tied weights: several)
         self.shape = tuple(orig.shape)  # global shape (what the sharded DTensor reports)
         self.layout_shape = self.shape  # what the unit shards by rows: the TP-local shape
-        self.tp: Optional[TPSpec] = None
+        self.tp: TPSpec | None = None
         self.dtype = orig.dtype
         self.requires_grad = orig.requires_grad
-        self.sharded: Optional[nn.Parameter] = None
-        self.unsharded: Optional[nn.Parameter] = None
-        self.grad_index: Optional[int] = None  # slot in the unit's grad layout (None: frozen)
+        self.sharded: nn.Parameter | None = None
+        self.unsharded: nn.Parameter | None = None
+        self.grad_index: int | None = None  # slot in the unit's grad layout (None: frozen)
 
     def current(self) -> torch.Tensor:
         """The tensor the module holds right now (used to read full values at wrap time)."""
@@ -45,7 +43,7 @@ class ManagedParam:
         for module, name in self.locations:
             module._parameters[name] = tensor
 
-    def set_tp(self, tp: Optional[TPSpec]) -> None:
+    def set_tp(self, tp: TPSpec | None) -> None:
         self.tp = tp
         self.layout_shape = tp.local_shape if tp is not None else self.shape
 
@@ -68,7 +66,7 @@ class ManagedParam:
         u = self.unsharded
         return u._local_tensor if isinstance(u, DTensor) else u
 
-    def take_grad(self) -> Optional[torch.Tensor]:
+    def take_grad(self) -> torch.Tensor | None:
         """Pop the compute param's fresh grad as a plain TP-local tensor."""
         grad = self.unsharded.grad
         self.unsharded.grad = None

@@ -14,8 +14,8 @@ the truth:
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from .mesh import mesh_dim_names, submesh
 ISSUE = "issue 4: TP"
 
 
-def _mesh_ranks(mesh: DeviceMesh) -> List[int]:
+def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
     return sorted(int(r) for r in mesh.mesh.flatten().tolist())
 
 
@@ -45,8 +45,8 @@ class TPSpec:
 
     mesh: DeviceMesh
     placement: Placement  # Shard(d) or Replicate()
-    global_shape: Tuple[int, ...]
-    local_shape: Tuple[int, ...]
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
 
     def local_chunk(self, full: torch.Tensor) -> torch.Tensor:
         """This TP rank's part of a full (global) tensor, with DTensor's torch.chunk semantics."""
@@ -71,8 +71,8 @@ class TPSpec:
         return grad.to_local()
 
 
-def tp_spec_of(name: str, param: nn.Parameter, tp_mesh: Optional[DeviceMesh],
-               tp_dim: Optional[str]) -> Optional[TPSpec]:
+def tp_spec_of(name: str, param: nn.Parameter, tp_mesh: DeviceMesh | None,
+               tp_dim: str | None) -> TPSpec | None:
     """``None`` for a plain param; the TP facts of a DTensor param after checking it composes."""
     if not isinstance(param, DTensor):
         return None
@@ -105,17 +105,17 @@ class PlacementPlan:
     combined with a tp dim); ``replicate_outer`` marks HSDP's leading replica dim.
     """
 
-    def __init__(self, root: DeviceMesh, dp_mesh: DeviceMesh, dp_names: Optional[Sequence[str]],
-                 replicate_outer: bool, sharded: bool, tp_dim: Optional[str]) -> None:
+    def __init__(self, root: DeviceMesh, dp_mesh: DeviceMesh, dp_names: Sequence[str] | None,
+                 replicate_outer: bool, sharded: bool, tp_dim: str | None) -> None:
         self.root = root
         self.dp_mesh = dp_mesh
         self.dp_names = tuple(dp_names) if dp_names is not None else None
         self.replicate_outer = replicate_outer
         self.sharded = sharded  # False for no_shard: every dp rank holds everything
         self.tp_dim = tp_dim
-        self._tp_mesh: Optional[DeviceMesh] = None
+        self._tp_mesh: DeviceMesh | None = None
 
-    def _dp_placements(self, tp: Optional[TPSpec]) -> List[Placement]:
+    def _dp_placements(self, tp: TPSpec | None) -> list[Placement]:
         inner: Placement = Replicate()
         if self.sharded:
             inner = Shard(0)
@@ -133,24 +133,24 @@ class PlacementPlan:
             self._tp_mesh = self.root[self.dp_names + (self.tp_dim,)]
         return self._tp_mesh
 
-    def mesh_and_placements(self, tp: Optional[TPSpec]) -> Tuple[DeviceMesh, List[Placement]]:
+    def mesh_and_placements(self, tp: TPSpec | None) -> tuple[DeviceMesh, list[Placement]]:
         if tp is None:
             return self.dp_mesh, self._dp_placements(None)
         return self._mesh_with_tp(), self._dp_placements(tp) + [tp.placement]
 
-    def check(self, specs: Sequence[Optional[TPSpec]]) -> None:
+    def check(self, specs: Sequence[TPSpec | None]) -> None:
         """Build the (dp..., tp) mesh now if any param needs it, so errors come at wrap time."""
         if any(s is not None for s in specs):
             self._mesh_with_tp()
 
-    def wrap(self, local: torch.Tensor, tp: Optional[TPSpec], shape: Sequence[int]) -> DTensor:
+    def wrap(self, local: torch.Tensor, tp: TPSpec | None, shape: Sequence[int]) -> DTensor:
         """A DTensor view of this rank's ``local`` rows of a tensor of global ``shape``."""
         mesh, placements = self.mesh_and_placements(tp)
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
                                   stride=contiguous_stride(shape))
 
 
-def find_flattened_dim(root: DeviceMesh, group: dist.ProcessGroup) -> Optional[str]:
+def find_flattened_dim(root: DeviceMesh, group: dist.ProcessGroup) -> str | None:
     """The name of a dim (own or flattened) of ``root`` whose ranks here are exactly ``group``'s."""
     want = sorted(dist.get_process_group_ranks(group))
     for name in mesh_dim_names(root):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Union
 
 import torch
 
@@ -29,12 +28,12 @@ _STRATEGY_NAMES = {
 }
 
 
-def parse_strategy(value: Union[str, int, ShardingStrategy], arg_name: str = "zero_dp_strategy",
-                   allowed: Optional[tuple] = None) -> ShardingStrategy:
+def parse_strategy(value: str | int | ShardingStrategy, arg_name: str = "zero_dp_strategy",
+                   allowed: tuple | None = None) -> ShardingStrategy:
     """Turn a strategy name or number into a ShardingStrategy, or raise naming the argument."""
     allowed = allowed or tuple(ShardingStrategy)
     choices = ", ".join(f"'{n}'/{int(s)}" for n, s in _STRATEGY_NAMES.items() if s in allowed)
-    strategy: Optional[ShardingStrategy] = None
+    strategy: ShardingStrategy | None = None
     if isinstance(value, str) and value in _STRATEGY_NAMES:
         strategy = _STRATEGY_NAMES[value]
     elif isinstance(value, int) and not isinstance(value, bool) and value in set(int(s) for s in ShardingStrategy):
@@ -47,7 +46,7 @@ def parse_strategy(value: Union[str, int, ShardingStrategy], arg_name: str = "ze
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_dtype(name: str, value: Optional[torch.dtype]) -> None:
+def _check_dtype(name: str, value: torch.dtype | None) -> None:
     if value is not None and value not in _FLOAT_DTYPES:
         raise ValueError(f"MixedPrecisionPolicy.{name}={value!r} is not supported; allowed values: "
                          f"None, {', '.join(str(d) for d in _FLOAT_DTYPES)}")
@@ -64,9 +63,9 @@ class MixedPrecisionPolicy:
     Compute always happens in the module's dtype (cast the module before wrapping).
     """
 
-    main_params_dtype: Optional[torch.dtype] = torch.float32
-    main_grads_dtype: Optional[torch.dtype] = None
-    grad_comm_dtype: Optional[torch.dtype] = None
+    main_params_dtype: torch.dtype | None = torch.float32
+    main_grads_dtype: torch.dtype | None = None
+    grad_comm_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         _check_dtype("main_params_dtype", self.main_params_dtype)
@@ -84,7 +83,7 @@ class ResolvedDtypes:
     grad_comm: torch.dtype
 
     @staticmethod
-    def resolve(policy: MixedPrecisionPolicy, compute: torch.dtype) -> "ResolvedDtypes":
+    def resolve(policy: MixedPrecisionPolicy, compute: torch.dtype) -> ResolvedDtypes:
         main_params = policy.main_params_dtype or compute
         main_grads = policy.main_grads_dtype or main_params
         return ResolvedDtypes(compute, main_params, main_grads, policy.grad_comm_dtype or main_grads)

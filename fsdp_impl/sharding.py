@@ -8,8 +8,8 @@ reduce-scatter of equal-sized segments moves the whole unit.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
 
 import torch
 
@@ -21,7 +21,7 @@ def chunk_rows(rows: int, num_shards: int) -> int:
     return -(-rows // num_shards) if rows > 0 else 0
 
 
-def shard_row_range(rows: int, num_shards: int, rank: int) -> Tuple[int, int]:
+def shard_row_range(rows: int, num_shards: int, rank: int) -> tuple[int, int]:
     """[start, end) rows held by ``rank``; empty (start == end) for trailing ranks."""
     if not 0 <= rank < num_shards:
         raise ValueError(f"rank must be in [0, {num_shards}), got {rank}")
@@ -33,7 +33,7 @@ def shard_row_range(rows: int, num_shards: int, rank: int) -> Tuple[int, int]:
 class ParamSlot:
     """Where one parameter lives: its global shape and its offset in the per-rank segment."""
 
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     offset: int  # element offset inside one rank's segment
     chunk: int  # padded rows per rank
 
@@ -53,7 +53,7 @@ class ParamSlot:
         """Elements reserved in each rank's segment."""
         return self.chunk * self.row_numel
 
-    def local_shape(self, num_shards: int, rank: int) -> Tuple[int, ...]:
+    def local_shape(self, num_shards: int, rank: int) -> tuple[int, ...]:
         start, end = shard_row_range(self.rows, num_shards, rank)
         return (end - start,) + tuple(self.shape[1:]) if self.shape else ()
 
@@ -63,7 +63,7 @@ class FlatLayout:
 
     def __init__(self, shapes: Sequence[Sequence[int]], num_shards: int) -> None:
         self.num_shards = num_shards
-        self.slots: List[ParamSlot] = []
+        self.slots: list[ParamSlot] = []
         offset = 0
         for shape in shapes:
             shape = tuple(int(s) for s in shape)

@@ -7,8 +7,8 @@ unit issues go through the shard group in a fixed order, so every rank issues th
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ class _Gather:
     """An all-gather in flight: its output, the event that marks it done, the weights' version."""
 
     gathered: torch.Tensor
-    event: Optional[object]
+    event: object | None
     version: int
 
 
@@ -60,8 +60,8 @@ class UnitContext:
     streams: CommStreams
     # HFSDP two-level grad reduction (both set): reduce-scatter inside ``inner_group`` (dp_shard)
     # every backward, across ``outer_group`` (dp_outer) only on the sync backward.
-    inner_group: Optional[dist.ProcessGroup] = None
-    outer_group: Optional[dist.ProcessGroup] = None
+    inner_group: dist.ProcessGroup | None = None
+    outer_group: dist.ProcessGroup | None = None
 
     @property
     def num_shards(self) -> int:
@@ -76,7 +76,7 @@ class UnitContext:
 class FSDPUnit:
     """One FSDP unit (a ``fsdp_unit_modules`` submodule, or the root group)."""
 
-    def __init__(self, name: str, params: List[ManagedParam], ctx: UnitContext) -> None:
+    def __init__(self, name: str, params: list[ManagedParam], ctx: UnitContext) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise ValueError(f"FSDP unit {name!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
@@ -91,22 +91,22 @@ class FSDPUnit:
         n, r = ctx.num_shards, ctx.layout_rank
         self.weight = DataParallelBuffer(FlatLayout([p.layout_shape for p in params], n), r,
                                          self.dtypes.main_params, ctx.device)
-        self.grad: Optional[DataParallelBuffer] = None
+        self.grad: DataParallelBuffer | None = None
         if self.trainable:
             self.grad = DataParallelBuffer(FlatLayout([p.layout_shape for p in self.trainable], n), r,
                                            self.dtypes.main_grads, ctx.device)
         self.group = ParameterGroup(name, self.weight, self.grad,
                                     ctx.policy.main_params_dtype is not None)
-        self._accumulator: Optional[torch.Tensor] = None  # ZeRO-0/1 full-size unsynced grads
-        self._pending: Optional[torch.Tensor] = None  # ZeRO-2/3 this backward's grads
-        self._inner_accum: Optional[torch.Tensor] = None  # HFSDP: inner-reduced, unsynced grads
+        self._accumulator: torch.Tensor | None = None  # ZeRO-0/1 full-size unsynced grads
+        self._pending: torch.Tensor | None = None  # ZeRO-2/3 this backward's grads
+        self._inner_accum: torch.Tensor | None = None  # HFSDP: inner-reduced, unsynced grads
         self._ready = 0
-        self._gather: Optional[_Gather] = None  # a prefetched all-gather not yet consumed
-        self.reduce_event: Optional[object] = None  # CUDA: marks the last grad reduction done
+        self._gather: _Gather | None = None  # a prefetched all-gather not yet consumed
+        self.reduce_event: object | None = None  # CUDA: marks the last grad reduction done
         self.post_backward_done = False
         self.is_unsharded = False
         self.synced_version = -1  # weight-buffer version the compute params were built from
-        self._grad_cache: List[Optional[torch.Tensor]] = [None] * len(self.trainable)
+        self._grad_cache: list[torch.Tensor | None] = [None] * len(self.trainable)
 
     # ----------------------------------------------------------------- wrap time
     def shard_from_module(self) -> None:
@@ -365,6 +365,6 @@ class FSDPUnit:
         self._accumulator = None
         self._inner_accum = None
 
-    def nan_grad_flags(self) -> List[torch.Tensor]:
+    def nan_grad_flags(self) -> list[torch.Tensor]:
         """Per trainable param, a 0-dim int tensor: does this rank's grad shard hold a NaN?"""
         return [torch.isnan(self.grad.local_view(p.grad_index)).any().to(torch.int32) for p in self.trainable]

@@ -11,7 +11,7 @@ import pathlib
 import sys
 
 
-def _device(device_type: str) -> "object":
+def _device(device_type: str) -> object:
     import torch
 
     if device_type == "cuda":

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from typing import Optional
 
 import pytest
 
@@ -23,7 +22,7 @@ class Placement:
 
     backend: str
     device_type: str
-    gpu_ids: Optional[tuple[int, ...]]
+    gpu_ids: tuple[int, ...] | None
 
 
 def force_cpu(config: pytest.Config) -> bool:
@@ -72,7 +71,7 @@ def _cuda_usable() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _cuda_capability() -> Optional[tuple[int, int]]:
+def _cuda_capability() -> tuple[int, int] | None:
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
@@ -87,7 +86,7 @@ def _module_available(name: str) -> bool:
         return False
 
 
-def missing_requirements(item: pytest.Item, config: pytest.Config, world_size: Optional[int] = None) -> list[str]:
+def missing_requirements(item: pytest.Item, config: pytest.Config, world_size: int | None = None) -> list[str]:
     """Human-readable list of what the machine lacks for ``item``'s requirement markers.
 
     ``world_size`` (for distributed items) also checks that the node has one GPU per rank.

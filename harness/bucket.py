@@ -11,7 +11,7 @@ import datetime
 import os
 import pathlib
 import time
-from typing import Any, Optional
+from typing import Any
 
 from harness import procs as procs_mod
 from harness import protocol
@@ -43,7 +43,7 @@ class Fault:
 
     kind: str  # "died", "timeout", "peer_failed"
     summary: str
-    cause_rank: Optional[int]
+    cause_rank: int | None
     sections: list[tuple[str, str]]
 
 
@@ -52,7 +52,7 @@ class TestOutcome:
     """Per-rank payloads that arrived, and the fault if the test did not finish on every rank."""
 
     payloads: dict[int, dict[str, Any]]
-    fault: Optional[Fault]
+    fault: Fault | None
     duration: float
 
 
@@ -105,7 +105,7 @@ class Bucket:
             env["CUDA_VISIBLE_DEVICES"] = procs_mod.gpu_env(s.placement.gpu_ids[rank])
         return env
 
-    def run_test(self, nodeid: str, next_nodeid: Optional[str], shared_tmp: pathlib.Path, timeout_s: float) -> TestOutcome:
+    def run_test(self, nodeid: str, next_nodeid: str | None, shared_tmp: pathlib.Path, timeout_s: float) -> TestOutcome:
         """Run one test on every rank and wait for all answers or a fault."""
         seq = self.seq
         self.seq += 1
@@ -115,7 +115,7 @@ class Bucket:
         self.store.set(protocol.key_cmd(seq), protocol.encode(
             {"op": "run", "nodeid": nodeid, "next": next_nodeid, "shared_tmp": str(shared_tmp)}))
         payloads: dict[int, dict[str, Any]] = {}
-        first_failure: Optional[float] = None
+        first_failure: float | None = None
         pause = _POLL_MIN_S
         while True:
             if self.store.check([protocol.key_all(seq)]):

@@ -8,7 +8,7 @@ JUnit XML writes as properties.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 from _pytest._code.code import ReprFileLocation
@@ -133,7 +133,7 @@ class ReportBuilder:
             reports.append(self._merge_phase("teardown", props) or self._report("teardown", "passed", None, [], 0.0, props))
         return reports
 
-    def _merge_phase(self, when: str, props: list[tuple[str, object]]) -> Optional[pytest.TestReport]:
+    def _merge_phase(self, when: str, props: list[tuple[str, object]]) -> pytest.TestReport | None:
         reps = {r: self.per_rank.get(r, {}).get(when) for r in range(self.world_size)}
         if all(v is None for v in reps.values()) and not self.errors:
             return None
@@ -148,7 +148,7 @@ class ReportBuilder:
             return self._report(when, base.outcome, longrepr, sections, duration, props, **extra)
         return self._report(when, "failed", self._failure_repr(when, reps), sections, duration, props)
 
-    def _failure_repr(self, when: str, reps: dict[int, Optional[pytest.TestReport]]) -> RankFailureRepr:
+    def _failure_repr(self, when: str, reps: dict[int, pytest.TestReport | None]) -> RankFailureRepr:
         failing = [r for r in self.fail_order if r in self.errors or (reps.get(r) is not None and reps[r].outcome == "failed")]
         others = [r for r in range(self.world_size) if r not in failing]
         status = ", ".join(f"rank {r}={reps[r].outcome if reps.get(r) else 'missing'}" for r in others)

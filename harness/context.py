@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Optional
 
 import pytest
 
@@ -19,9 +18,9 @@ class DistEnv:
     rank: int
     world_size: int
     local_rank: int
-    device: "object"  # a torch.device; typed loosely so importing this module does not import torch
+    device: object  # a torch.device; typed loosely so importing this module does not import torch
     backend: str
-    store_port: Optional[int] = None
+    store_port: int | None = None
 
 
 @dataclasses.dataclass
@@ -30,7 +29,7 @@ class RankState:
 
     env: DistEnv
     session_shared_dir: pathlib.Path
-    shared_tmp: Optional[pathlib.Path] = None
+    shared_tmp: pathlib.Path | None = None
 
 
 RANK_STATE_KEY = pytest.StashKey[RankState]()

@@ -8,7 +8,7 @@ import atexit
 import dataclasses
 import pathlib
 import re
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -69,13 +69,13 @@ class Controller:
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
-        self.active: Optional[Bucket] = None
-        self.active_key: Optional[BucketKey] = None
+        self.active: Bucket | None = None
+        self.active_key: BucketKey | None = None
         self.active_lease: Any = None
         self.bucket_count = 0
         self.test_count = 0
-        self._root: Optional[pathlib.Path] = None
-        self._item_index: Optional[dict[int, int]] = None  # id(item) -> position in session.items
+        self._root: pathlib.Path | None = None
+        self._item_index: dict[int, int] | None = None  # id(item) -> position in session.items
         atexit.register(self.shutdown)
 
     # ----- collection ---------------------------------------------------------------------------
@@ -113,7 +113,7 @@ class Controller:
 
     # ----- running --------------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: Optional[pytest.Item]) -> Optional[bool]:
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
         key = item.stash.get(BUCKET_KEY, None)
         if key is None or item.get_closest_marker("skip") is not None:
             return None
@@ -128,7 +128,7 @@ class Controller:
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
 
-    def _run(self, item: pytest.Item, key: BucketKey, nextitem: Optional[pytest.Item]) -> list[pytest.TestReport]:
+    def _run(self, item: pytest.Item, key: BucketKey, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
         if self.active is not None and (self.active_key != key or not self.active.alive):
             self.close_active(graceful=True)
         if self.active is None:
@@ -148,7 +148,7 @@ class Controller:
             self.close_active(graceful=True)
         return ReportBuilder(item, key.world_size, outcome).build()
 
-    def _next_runnable(self, nextitem: Optional[pytest.Item]) -> Optional[pytest.Item]:
+    def _next_runnable(self, nextitem: pytest.Item | None) -> pytest.Item | None:
         """The next test that will really run, looking past skip-marked ones (which never reach
         a bucket): otherwise every skipped test in the middle of a bucket's tests would tear
         the bucket down and the next test would pay for new rank processes. Under xdist a

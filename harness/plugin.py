@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any, Generator
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 

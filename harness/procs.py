@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Optional
 
 TAIL_LINES = 40
 _TAIL_BYTES = 16384
@@ -146,5 +145,5 @@ def gpu_env(gpu_id: int) -> str:
     return str(gpu_id)
 
 
-def optional_int(value: Optional[str]) -> Optional[int]:
+def optional_int(value: str | None) -> int | None:
     return None if value in (None, "") else int(value)

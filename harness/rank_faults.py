@@ -11,7 +11,8 @@ import signal
 import sys
 import threading
 import time
-from typing import IO, Callable, NoReturn
+from collections.abc import Callable
+from typing import IO, NoReturn
 
 DUMP_SIGNAL = signal.SIGUSR1
 

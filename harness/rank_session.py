@@ -9,7 +9,7 @@ from __future__ import annotations
 import pathlib
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -25,8 +25,8 @@ class RankSession:
         self.state = state
         self.rank = state.env.rank
         self.world_size = state.env.world_size
-        self.reports: Optional[list[pytest.TestReport]] = None
-        self.config: Optional[pytest.Config] = None
+        self.reports: list[pytest.TestReport] | None = None
+        self.config: pytest.Config | None = None
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_configure(self, config: pytest.Config) -> None:

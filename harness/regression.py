@@ -19,7 +19,10 @@ from collections.abc import Generator
 import pytest
 
 from harness.junit_read import (
-    BUG_ID_RE, PARAM_PROPERTY_PREFIX, REGRESSION_DESCRIPTION_PROPERTY, REGRESSION_PROPERTY,
+    BUG_ID_RE,
+    PARAM_PROPERTY_PREFIX,
+    REGRESSION_DESCRIPTION_PROPERTY,
+    REGRESSION_PROPERTY,
 )
 
 MARKER = "regression"

@@ -19,9 +19,20 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from harness.junit_read import (
-    BUG_ID_RE, ERROR, FAILED, OUTCOME_RANK, PASSED, REGRESSION_DESCRIPTION_PROPERTY,
-    REGRESSION_PROPERTY, SKIPPED, XFAILED, JunitError, TestCase, failing_ranks,
-    one_line_cause, read_junit,
+    BUG_ID_RE,
+    ERROR,
+    FAILED,
+    OUTCOME_RANK,
+    PASSED,
+    REGRESSION_DESCRIPTION_PROPERTY,
+    REGRESSION_PROPERTY,
+    SKIPPED,
+    XFAILED,
+    JunitError,
+    TestCase,
+    failing_ranks,
+    one_line_cause,
+    read_junit,
 )
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2

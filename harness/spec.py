@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Optional
 
 import pytest
 
@@ -32,8 +31,8 @@ class DistSpec:
     """What one distributed test asks for: a world size, an optional bucket name and timeout."""
 
     world_size: int
-    bucket: Optional[str]
-    timeout: Optional[float]
+    bucket: str | None
+    timeout: float | None
 
 
 def _parse_distributed_args(mark: pytest.Mark, nodeid: str) -> DistSpec:
@@ -63,7 +62,7 @@ def _parse_distributed_args(mark: pytest.Mark, nodeid: str) -> DistSpec:
     return DistSpec(world_size=ws, bucket=bucket, timeout=None if timeout is None else float(timeout))
 
 
-def distributed_spec(item: pytest.Item) -> Optional[DistSpec]:
+def distributed_spec(item: pytest.Item) -> DistSpec | None:
     """The item's DistSpec (closest mark wins), or None for a single-process test.
 
     Two ``distributed`` marks at the same level (e.g. stacked decorators) that disagree are a conflict.
@@ -91,7 +90,7 @@ def parse_gpu_arch(arch: object, nodeid: str) -> tuple[int, int]:
     return int(digits[:-1]), int(digits[-1])
 
 
-def validate_item(item: pytest.Item, forbidden_fixtures: tuple[str, ...]) -> Optional[DistSpec]:
+def validate_item(item: pytest.Item, forbidden_fixtures: tuple[str, ...]) -> DistSpec | None:
     """Check every harness marker of ``item``; return its DistSpec. Raises HarnessUsageError."""
     spec = distributed_spec(item)
     for mark in item.iter_markers(REQUIRES_GPU_ARCH):

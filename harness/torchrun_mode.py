@@ -15,7 +15,7 @@ import os
 import pathlib
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 from _pytest.runner import runtestprotocol
@@ -105,7 +105,7 @@ class TorchrunSession:
 
     # ----- running --------------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: Optional[pytest.Item]) -> Optional[bool]:
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
         from harness.controller import SPEC_KEY
 
         distributed = item.stash.get(SPEC_KEY, None) is not None and item.get_closest_marker("skip") is None
@@ -156,9 +156,9 @@ class TorchrunSession:
         """Rank 0: wait for every rank's reports (timeout, grace), combine, log, publish the verdict."""
         start = time.monotonic()
         payloads: dict[int, dict[str, Any]] = {}
-        first_fail: Optional[float] = None
+        first_fail: float | None = None
         grace = float(self.config.getoption("harness_grace"))
-        fault: Optional[Fault] = None
+        fault: Fault | None = None
         while len(payloads) < self.world_size:
             for r in range(self.world_size):
                 if r not in payloads and self.store.check([f"res/{seq}/{r}"]):

@@ -161,12 +161,12 @@ def _open(path: Path) -> tuple[dict, Any, dict]:
     metadata_file = path / _files.DCP_METADATA_NAME
     try:
         metadata = FileSystemReader(path).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+    except Exception as e:
         raise CheckpointCorruptedError(f"checkpoint file {metadata_file} is unreadable: {e}") from e
     extra_file = path / _files.EXTRA_NAME
     try:
         side = torch.load(extra_file, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise CheckpointCorruptedError(f"checkpoint file {extra_file} is unreadable: {e}") from e
     return manifest, metadata, side
 

@@ -8,7 +8,8 @@ collective: all ranks must call it in the same order.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 

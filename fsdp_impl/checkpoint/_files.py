@@ -14,8 +14,9 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from ._errors import CheckpointCorruptedError, CheckpointNotFoundError, CheckpointWriteError
 

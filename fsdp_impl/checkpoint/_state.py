@@ -10,8 +10,9 @@ weight decay, move the weights.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -97,8 +98,8 @@ def group_param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
 def _index_to_name(names: list[list[str]], sd: Mapping) -> dict[int, str]:
     """Map ``optimizer.state_dict()``'s integer parameter ids to FQNs (groups are parallel)."""
     mapping: dict[int, str] = {}
-    for group_names, saved_group in zip(names, sd["param_groups"]):
-        mapping.update(zip(saved_group["params"], group_names))
+    for group_names, saved_group in zip(names, sd["param_groups"], strict=True):
+        mapping.update(zip(saved_group["params"], group_names, strict=True))
     return mapping
 
 
@@ -146,7 +147,7 @@ def check_optimizer_matches(saved: Mapping[str, Any], model: nn.Module, optimize
             f"optimizer has {len(current)} param group(s) but the checkpoint has {len(saved_groups)}"
         )
     problems: list[str] = []
-    for g, (old, new) in enumerate(zip(saved_groups, current)):
+    for g, (old, new) in enumerate(zip(saved_groups, current, strict=True)):
         old_set, new_set = set(old), set(new)
         missing = [n for n in new if n not in old_set]
         extra = [n for n in old if n not in new_set]
@@ -198,7 +199,7 @@ def install_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     current = optimizer.state_dict()
     index_of = {n: i for i, n in _index_to_name(names, current).items()}
     groups = []
-    for saved_hp, group in zip(hyperparameters, current["param_groups"]):
+    for saved_hp, group in zip(hyperparameters, current["param_groups"], strict=True):
         merged = dict(saved_hp)
         merged["params"] = list(group["params"])
         if "param_names" in group:

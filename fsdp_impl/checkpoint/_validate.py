@@ -6,7 +6,8 @@ need the list of differing names and shapes up front, before any tensor is read.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata

@@ -129,10 +129,10 @@ def adam_foreach_(batch: list[AdamTensors], hp: AdamHyper) -> None:
     if not batch:
         return
     dtypes = [compute_dtype(t.param) for t in batch]
-    params = [_upcast(t.param, d) for t, d in zip(batch, dtypes)]
-    grads = [_upcast(t.grad, d) for t, d in zip(batch, dtypes)]
-    exp_avgs = [_upcast(t.exp_avg, d) for t, d in zip(batch, dtypes)]
-    exp_avg_sqs = [_upcast(t.exp_avg_sq, d) for t, d in zip(batch, dtypes)]
+    params = [_upcast(t.param, d) for t, d in zip(batch, dtypes, strict=True)]
+    grads = [_upcast(t.grad, d) for t, d in zip(batch, dtypes, strict=True)]
+    exp_avgs = [_upcast(t.exp_avg, d) for t, d in zip(batch, dtypes, strict=True)]
+    exp_avg_sqs = [_upcast(t.exp_avg_sq, d) for t, d in zip(batch, dtypes, strict=True)]
     if hp.maximize:
         grads = torch._foreach_neg(grads)
     lr = _as_float(hp.lr)
@@ -152,7 +152,7 @@ def adam_foreach_(batch: list[AdamTensors], hp: AdamHyper) -> None:
     second = exp_avg_sqs
     max_sqs: list[torch.Tensor] = []
     if hp.amsgrad:
-        max_sqs = [_upcast(t.max_exp_avg_sq, d) for t, d in zip(batch, dtypes)]  # type: ignore[arg-type]
+        max_sqs = [_upcast(t.max_exp_avg_sq, d) for t, d in zip(batch, dtypes, strict=True)]  # type: ignore[arg-type]
         torch._foreach_maximum_(max_sqs, exp_avg_sqs)
         second = max_sqs
 

@@ -39,7 +39,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -72,13 +72,13 @@ class Case:
 
     model: str
     strategy: str
-    outer: Optional[str] = None
+    outer: str | None = None
 
     def __str__(self) -> str:
         return f"{self.model}-{self.strategy}-outer_{self.outer or 'none'}"
 
 
-def _matrix() -> List[Case]:
+def _matrix() -> list[Case]:
     """strategy {0..3} x outer {None, no_shard, optim where allowed (inner 3)} x model."""
     cases = []
     for model in MODELS:
@@ -99,17 +99,17 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().clone()
 
 
-def hsdp_kwargs(device: torch.device, outer: str) -> Dict[str, Any]:
+def hsdp_kwargs(device: torch.device, outer: str) -> dict[str, Any]:
     """``fully_shard`` arguments for a (dp_outer=2, dp_shard=world/2) mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("dp_outer", "dp_shard"))
-    kwargs: Dict[str, Any] = dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+    kwargs: dict[str, Any] = dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
                                   outer_dp_sharding_strategy=outer)
     try:  # private DeviceMesh API, as in the call-compatible seed test
         kwargs["hybrid_fsdp_group"] = mesh[("dp_outer", "dp_shard")]._flatten("hsdp").get_group()
-    except Exception:  # noqa: BLE001 - the engine then derives the group from the mesh
+    except Exception:
         pass
     return kwargs
 
@@ -118,7 +118,7 @@ def wrap(case: Case, device: torch.device, seed: int, lr: float = LR) -> tuple:
     """A freshly built, wrapped model and never-stepped two-group Adam (skips HSDP if absent)."""
     module = build_model(case.model, seed=seed)
     optimizer = make_optimizer("adam", module.named_parameters(), lr=lr)
-    kwargs: Dict[str, Any] = dict(fsdp_unit_modules=list(unit_classes(case.model)),
+    kwargs: dict[str, Any] = dict(fsdp_unit_modules=list(unit_classes(case.model)),
                                   zero_dp_strategy=case.strategy)
     if case.outer is not None:
         kwargs.update(hsdp_kwargs(device, case.outer))
@@ -157,9 +157,9 @@ def probe_forward(model: torch.nn.Module, model_name: str, device: torch.device)
         model(*[x[rank * per:(rank + 1) * per].to(device) for x in inputs])
 
 
-def full_state(model: torch.nn.Module, optimizer: Any) -> Dict[str, torch.Tensor]:
+def full_state(model: torch.nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
     """Global params, Adam moments and step counts by name (collective, fixed order)."""
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         out[name] = full(p)
         state = optimizer.state.get(p, {})
@@ -171,7 +171,7 @@ def full_state(model: torch.nn.Module, optimizer: Any) -> Dict[str, torch.Tensor
     return out
 
 
-def learning_rates(optimizer: Any) -> List[float]:
+def learning_rates(optimizer: Any) -> list[float]:
     return [float(g["lr"]) for g in optimizer.param_groups]
 
 
@@ -179,8 +179,8 @@ def case_dir(root: Path, world: int, case: Case) -> Path:
     return root / "checkpoint-resume" / f"ws{world}-{case}"
 
 
-def assert_same_state(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor],
-                      rtol: Optional[float], what: str) -> None:
+def assert_same_state(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                      rtol: float | None, what: str) -> None:
     """Bit-for-bit (``rtol=None``) or per-tensor relative-norm comparison, naming the worst tensor."""
     assert actual.keys() == expected.keys(), f"{what}: state entries differ: {sorted(actual.keys() ^ expected.keys())}"
     for name, e in expected.items():
@@ -217,8 +217,8 @@ def run_and_record(case: Case, dist_env: Any, root: Path) -> None:
 def _train_with_checkpoint(case: Case, model: torch.nn.Module, optimizer: Any, dist_env: Any,
                            target: Path) -> tuple:
     """N_STEPS steps with a save before step K_SAVE: (losses, state at save, final state)."""
-    losses: List[float] = []
-    at_save: Dict[str, torch.Tensor] = {}
+    losses: list[float] = []
+    at_save: dict[str, torch.Tensor] = {}
     for step in range(N_STEPS):
         if step == K_SAVE:
             checkpoint.save(target / "ckpt", model, optimizer,
@@ -228,7 +228,7 @@ def _train_with_checkpoint(case: Case, model: torch.nn.Module, optimizer: Any, d
     return losses, at_save, full_state(model, optimizer)
 
 
-def load_record(target: Path, source: str) -> Dict[str, Any]:
+def load_record(target: Path, source: str) -> dict[str, Any]:
     """The save test's record; skip (identically on all ranks) when this session has none.
 
     Buckets run in collection order within one controller, but under ``pytest -n`` the save
@@ -250,7 +250,7 @@ def load_record(target: Path, source: str) -> Dict[str, Any]:
 
 
 def resume_and_compare(saved: Case, saved_world: int, loaded: Case, dist_env: Any, root: Path,
-                       rtol: Optional[float]) -> None:
+                       rtol: float | None) -> None:
     """Load ``saved``'s checkpoint into a fresh ``loaded`` wrap in this bucket and train to the end."""
     model, optimizer = wrap(loaded, dist_env.device, seed=1234, lr=RESUME_LR)
     target = case_dir(root, saved_world, saved)
@@ -272,7 +272,7 @@ def resume_and_compare(saved: Case, saved_world: int, loaded: Case, dist_env: An
     if rtol is None:
         assert losses == expected, f"resumed losses {losses} != uninterrupted {expected}"
     else:
-        assert all(math.isclose(a, e, rel_tol=rtol) for a, e in zip(losses, expected)), \
+        assert all(math.isclose(a, e, rel_tol=rtol) for a, e in zip(losses, expected, strict=True)), \
             f"resumed losses {losses} vs uninterrupted {expected} (rtol {rtol})"
     assert_same_state(full_state(model, optimizer), record["final"], rtol, "after resumed training")
 

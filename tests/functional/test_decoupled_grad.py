@@ -162,7 +162,7 @@ def loss_check_problem(losses: list[float], reference: list[float], rtol: float 
         return f"non-finite loss in {losses}"
     if not losses[-1] < losses[0]:
         return f"loss did not decrease: {losses}"
-    deviations = [abs(got - want) / abs(want) for got, want in zip(losses, reference)]
+    deviations = [abs(got - want) / abs(want) for got, want in zip(losses, reference, strict=True)]
     worst = max(range(len(deviations)), key=deviations.__getitem__)
     if deviations[worst] > rtol:
         return (f"step {worst}: loss {losses[worst]!r} differs from the reference {reference[worst]!r} by "
@@ -226,7 +226,7 @@ class TestDecoupledGrad:
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         assert ref_norm.item() > MAX_NORM, "test setup: the reference must actually clip"
         assert norm.item() == pytest.approx(ref_norm.item(), rel=NORM_RTOL)
-        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
             full = p.decoupled_grad.full_tensor()
             torch.testing.assert_close(full, r.grad, rtol=NORM_RTOL, atol=1e-7, msg=f"clipped grad of {name}")
 

@@ -148,7 +148,7 @@ class TestDecoupledGradOuter:
         assert all(n == norm for n in norms), f"ranks disagree on the norm: {norms}"
         print(f"[measure] {strategy}/{outer} norm rel err {_rel(norm, ref_norm):.3e}")
         assert norm == pytest.approx(ref_norm, rel=NORM_RTOL)
-        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
             full = p.decoupled_grad.full_tensor()
             torch.testing.assert_close(full, r.grad, rtol=NORM_RTOL, atol=1e-7, msg=f"clipped grad of {name}")
 

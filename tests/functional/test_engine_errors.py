@@ -8,8 +8,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_impl import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
-from tests.functional.common.models import build_model, unit_classes
+from fsdp_impl import fully_shard, fully_shard_model, fully_shard_optimizer
+from tests.functional.common.models import build_model
 
 pytestmark = pytest.mark.distributed(world_size=2, timeout=300)
 

@@ -132,7 +132,7 @@ def test_tied_weights_across_modules(strategy, dist_env) -> None:
     losses, final, model = train_fsdp(cfg, dist_env.device, model=build_model("gpt", tie_module=True))
     ref_losses, ref_params = train_reference(build_model("gpt", tie_module=True), "gpt", "adam", 3,
                                              dist_env.world_size * 3)
-    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) <= RTOL
+    assert max(abs(a - b) / b for a, b in zip(losses, ref_losses, strict=True)) <= RTOL
     err, where = max_relative_error(final, ref_params)
     assert err <= RTOL, f"{where}: {err:.3g}"
     assert model.module.lm_head.weight is model.module.tok.weight
@@ -309,7 +309,7 @@ def test_zero_grad_keep_views_trains_like_reference(strategy, dist_env) -> None:
         loss_fn("cnn")(model(local_slice(inputs[0], rank, 3)), local_slice(target, rank, 3)).backward()
         grads = [p.grad for p in model.parameters()]
         if views is not None:
-            assert all(g is v for g, v in zip(grads, views)), "grads must stay the same view objects"
+            assert all(g is v for g, v in zip(grads, views, strict=True)), "grads must stay the same view objects"
         views = grads
         opt.step()
         opt.zero_grad(set_to_none=False)
@@ -337,7 +337,7 @@ def test_in_place_weight_edits_reach_the_next_forward(strategy, dist_env) -> Non
         lambda: [g.model_weight_buffer.data.zero_() for g in model.param_and_grad_buffer.parameter_groups],
     ]
     expected = [torch.zeros(2, 3), None, torch.zeros(2, 3)]
-    for edit, want in zip(edits, expected):
+    for edit, want in zip(edits, expected, strict=True):
         with torch.no_grad():
             edit()
             out = model(*inputs)

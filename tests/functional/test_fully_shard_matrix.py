@@ -44,8 +44,9 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
 
 import pytest
 import torch
@@ -54,9 +55,16 @@ import torch.nn as nn
 from torch.nn.functional import mse_loss
 
 from fsdp_impl import MixedPrecisionPolicy, fully_shard
-from tests.functional.test_mesh_support import (assert_same_on_all_ranks, data_group, data_position,
-                                                gathered_full_params, seed_kwargs, seed_mesh,
-                                                sharded_max_error, sharded_model_error)
+from tests.functional.test_mesh_support import (
+    assert_same_on_all_ranks,
+    data_group,
+    data_position,
+    gathered_full_params,
+    seed_kwargs,
+    seed_mesh,
+    sharded_max_error,
+    sharded_model_error,
+)
 
 try:
     import transformer_engine as te  # noqa: F401
@@ -121,7 +129,7 @@ class ToyTransformer(nn.Module):
 UNIT_CLASSES = {"cnn": [nn.Conv2d, nn.Linear], "transformer": [nn.Transformer]}  # the seed's fsdp_unit_modules
 
 
-def _build(model_type: str, device: str) -> Tuple[nn.Module, list]:
+def _build(model_type: str, device: str) -> tuple[nn.Module, list]:
     torch.manual_seed(0)
     with torch.device(device):
         if model_type == "cnn":
@@ -135,14 +143,14 @@ def _run(model: nn.Module, model_type: str, x: torch.Tensor) -> torch.Tensor:
     return model(x) if model_type == "cnn" else model(x, x)
 
 
-def _samples(step: int, micro: int, n: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def _samples(step: int, micro: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The ``n`` (input, target) pairs of one microbatch, identical on every rank."""
     gen = torch.Generator().manual_seed(10_000 + 100 * step + micro)
     return [(torch.randn(1, DIM_SIZE, DIM_SIZE, generator=gen), torch.randn(1, DIM_SIZE, DIM_SIZE, generator=gen))
             for _ in range(n)]
 
 
-def _skip_reason(model_type: str, strategy: str, outer: Optional[str], common: dict) -> Optional[str]:
+def _skip_reason(model_type: str, strategy: str, outer: str | None, common: dict) -> str | None:
     if model_type == "te_transformer":
         return None if HAVE_TE else "TransformerEngine is not installed (te_transformer needs it)"
     if common["meta"] and strategy == "no_shard":
@@ -171,22 +179,22 @@ def _cases() -> list:
 class _Reference:
     """Single-process copy trained on the union of the data group's samples."""
 
-    def __init__(self, model_type: str, initial: Dict[str, torch.Tensor]) -> None:
+    def __init__(self, model_type: str, initial: dict[str, torch.Tensor]) -> None:
         self.model_type = model_type
         self.model, _ = _build(model_type, "cpu")
-        self.model.load_state_dict(initial, strict=False)
+        self.model.load_state_dict(initial, strict=True)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=0.01)
 
-    def microbatch(self, samples: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[float]:
+    def microbatch(self, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
         """Accumulate the grad of the sample-mean loss; return each sample's loss."""
         losses = [mse_loss(_run(self.model, self.model_type, x), y) for x, y in samples]
         torch.stack(losses).mean().backward()
         return [loss.item() for loss in losses]
 
-    def grads(self) -> Dict[str, torch.Tensor]:
+    def grads(self) -> dict[str, torch.Tensor]:
         return {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
 
-    def step(self) -> Dict[str, torch.Tensor]:
+    def step(self) -> dict[str, torch.Tensor]:
         self.opt.step()
         self.opt.zero_grad()
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
@@ -197,16 +205,16 @@ class _Expected:
     """The reference's whole run: each microbatch's per-sample losses (index ``step * MICRO +
     micro``), and each step's accumulated grads and updated params."""
 
-    losses: List[List[float]]
-    grads: List[Dict[str, torch.Tensor]]
-    params: List[Dict[str, torch.Tensor]]
+    losses: list[list[float]]
+    grads: list[dict[str, torch.Tensor]]
+    params: list[dict[str, torch.Tensor]]
 
 
 # (model_type, samples per microbatch) -> [(initial params, run)], per rank process.
-_EXPECTED: Dict[Tuple[str, int], List[Tuple[Dict[str, torch.Tensor], _Expected]]] = {}
+_EXPECTED: dict[tuple[str, int], list[tuple[dict[str, torch.Tensor], _Expected]]] = {}
 
 
-def _train_reference(model_type: str, initial: Dict[str, torch.Tensor], n: int) -> _Expected:
+def _train_reference(model_type: str, initial: dict[str, torch.Tensor], n: int) -> _Expected:
     ref = _Reference(model_type, initial)
     losses, grads, params = [], [], []
     for step in range(STEPS):
@@ -217,7 +225,7 @@ def _train_reference(model_type: str, initial: Dict[str, torch.Tensor], n: int) 
     return _Expected(losses, grads, params)
 
 
-def _expected(model_type: str, initial: Dict[str, torch.Tensor], n: int) -> _Expected:
+def _expected(model_type: str, initial: dict[str, torch.Tensor], n: int) -> _Expected:
     """The reference run, cached: it depends only on the model, its exact initial params and the
     data group size (not on the strategy, outer strategy or mesh), so the 96 cases need only a
     handful of distinct runs; the initial params are compared bit for bit before reuse."""
@@ -280,12 +288,12 @@ def _compiled(model: nn.Module, model_type: str, backend: Any) -> nn.Module:
     return model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _backend(name: str) -> _CountingBackend:
     return _CountingBackend(name)
 
 
-def _wrap(model_type: str, strategy: str, outer: Optional[str], mesh_shape: tuple, common: dict, device):
+def _wrap(model_type: str, strategy: str, outer: str | None, mesh_shape: tuple, common: dict, device):
     mesh = seed_mesh(mesh_shape, device.type)
     module, units = _build(model_type, "meta" if common["meta"] else "cpu")
     if not common["meta"]:
@@ -299,7 +307,7 @@ def _wrap(model_type: str, strategy: str, outer: Optional[str], mesh_shape: tupl
     return mesh, model, opt
 
 
-def _check_grads(model: nn.Module, expected: Dict[str, torch.Tensor], step: int, param_err: float) -> None:
+def _check_grads(model: nn.Module, expected: dict[str, torch.Tensor], step: int, param_err: float) -> None:
     if step == 0:
         err, where = sharded_max_error(model, expected, grads=True)
     else:
@@ -308,7 +316,7 @@ def _check_grads(model: nn.Module, expected: Dict[str, torch.Tensor], step: int,
         f"step {step}: grad {where} relative error {err:.3g} (param error before it: {param_err:.3g})"
 
 
-def _check_params(model: nn.Module, expected: Dict[str, torch.Tensor], step: int) -> float:
+def _check_params(model: nn.Module, expected: dict[str, torch.Tensor], step: int) -> float:
     if step == 0:
         err, where = sharded_max_error(model, expected)
     else:
@@ -343,7 +351,7 @@ def _train_and_check(model: nn.Module, runner: nn.Module, opt: torch.optim.Optim
 
 
 @pytest.mark.parametrize("model_type,strategy,outer,mesh_shape,common", _cases())
-def test_fully_shard(model_type: str, strategy: str, outer: Optional[str], mesh_shape: tuple, common: dict,
+def test_fully_shard(model_type: str, strategy: str, outer: str | None, mesh_shape: tuple, common: dict,
                      dist_env) -> None:
     mesh, model, opt = _wrap(model_type, strategy, outer, mesh_shape, common, dist_env.device)
     initial = gathered_full_params(model)

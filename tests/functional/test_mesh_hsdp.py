@@ -16,7 +16,6 @@ the same checks on (dp_outer=2, dp_shard=1) with 2 ranks (2 GPUs under NCCL).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -27,8 +26,7 @@ from tests.functional.common.collective_counter import CollectiveCounter, group_
 from tests.functional.common.models import build_model, loss_fn, unit_classes
 from tests.functional.common.reference import global_batch, make_optimizer, train_reference
 from tests.functional.common.training import Microbatch, train_accumulating
-from tests.functional.test_mesh_support import (data_position, full_params, relative_errors,
-                                                seed_kwargs, seed_mesh)
+from tests.functional.test_mesh_support import data_position, full_params, relative_errors, seed_kwargs, seed_mesh
 
 pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
 
@@ -38,7 +36,7 @@ HSDP_4 = (2, 2, 1, 1)  # (dp_outer, dp_shard, cp, tp) of the 4-rank cases
 
 
 def _wrap(name: str, strategy: object, outer: str, device: torch.device, opt_kind: str = "sgd",
-          shape: Tuple[int, int, int, int] = HSDP_4):
+          shape: tuple[int, int, int, int] = HSDP_4):
     mesh = seed_mesh(shape, device.type)
     model = build_model(name, seed=0)
     opt = make_optimizer(opt_kind, model.named_parameters())
@@ -48,39 +46,39 @@ def _wrap(name: str, strategy: object, outer: str, device: torch.device, opt_kin
 
 
 def _train(name: str, fsdp_model, opt, mesh, device: torch.device,
-           counters: Optional[List[CollectiveCounter]] = None) -> List[float]:
+           counters: list[CollectiveCounter] | None = None) -> list[float]:
     """3 steps x 2 microbatches on this rank's slice; with ``counters``, microbatch m's
     collectives are recorded in ``counters[m]`` (first step only)."""
     pos, n = data_position(mesh["hsdp"].get_group())
     per = LOCAL // MICRO
 
-    def microbatches(step: int) -> List[Microbatch]:
+    def microbatches(step: int) -> list[Microbatch]:
         inputs, target = global_batch(name, step, n * LOCAL, torch.float32)
         spans = [slice(pos * LOCAL + m * per, pos * LOCAL + (m + 1) * per) for m in range(MICRO)]
         return [([x[s].to(device) for x in inputs], target[s].to(device)) for s in spans]
 
-    def record(step: int, m: int) -> Optional[CollectiveCounter]:
+    def record(step: int, m: int) -> CollectiveCounter | None:
         return counters[m] if counters is not None and step == 0 else None
 
     return train_accumulating(fsdp_model, opt, STEPS, microbatches, loss_fn(name), device, record)
 
 
-def _reference(name: str, opt_kind: str, device: torch.device) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+def _reference(name: str, opt_kind: str, device: torch.device) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The reference on the test's device (like kernels with like), on all ranks' samples."""
     return train_reference(build_model(name, seed=0).to(device), name, opt_kind, STEPS,
                            dist.get_world_size() * LOCAL)
 
 
-def _check_parity(name: str, losses: List[float], final: Dict[str, torch.Tensor],
+def _check_parity(name: str, losses: list[float], final: dict[str, torch.Tensor],
                   device: torch.device) -> None:
     ref_losses, ref_params = _reference(name, "sgd", device)
-    for a, b in zip(losses, ref_losses):
+    for a, b in zip(losses, ref_losses, strict=True):
         assert abs(a - b) <= RTOL * abs(b), f"losses {losses} vs reference {ref_losses}"
     err, where = relative_errors(final, ref_params)
     assert err <= RTOL, f"param {where}: relative error {err:.3g}"
 
 
-def check_hsdp(name: str, strategy: str, device: torch.device, shape: Tuple[int, int, int, int]) -> None:
+def check_hsdp(name: str, strategy: str, device: torch.device, shape: tuple[int, int, int, int]) -> None:
     """HSDP (outer no_shard) on ``shape``: parity, and outer traffic only on the sync microbatch."""
     mesh, model, opt = _wrap(name, strategy, "no_shard", device, shape=shape)
     counters = [CollectiveCounter(), CollectiveCounter()]
@@ -106,7 +104,7 @@ def check_hsdp(name: str, strategy: str, device: torch.device, shape: Tuple[int,
     assert idx.get_hybrid_fsdp_group() is mesh["hsdp"].get_group() and idx.get_tp_group() is None
 
 
-def check_hfsdp(name: str, device: torch.device, shape: Tuple[int, int, int, int]) -> None:
+def check_hfsdp(name: str, device: torch.device, shape: tuple[int, int, int, int]) -> None:
     """HFSDP (outer optim, inner 3) on ``shape``: parity; params gathered over the hybrid group,
     grads reduced in two levels (dp_outer only on the sync microbatch); main params and
     optimizer state sharded over all of it."""
@@ -163,5 +161,5 @@ def test_hsdp_adam_accumulation_matches_reference(dist_env) -> None:
     losses = _train("cnn", model, opt, mesh, dist_env.device)
     ref_losses, ref_params = _reference("cnn", "adam", dist_env.device)
     err, where = relative_errors(full_params(model), ref_params)
-    assert err <= 1e-4 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), \
+    assert err <= 1e-4 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses, strict=True)), \
         f"{where}: {err:.3g}; losses {losses} vs {ref_losses}"

@@ -14,7 +14,7 @@ every replica group must reproduce the single-process reference trained on the u
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,8 @@ from fsdp_impl.device import default_device_type
 DIMS = ("dp_outer", "dp_shard", "cp", "tp")
 
 
-@functools.lru_cache(maxsize=None)
-def seed_mesh(shape: Tuple[int, int, int, int], device_type: str = "cpu") -> DeviceMesh:
+@functools.cache
+def seed_mesh(shape: tuple[int, int, int, int], device_type: str = "cpu") -> DeviceMesh:
     """The seed's 4-D mesh with its three flattened dims (cached per rank process)."""
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
     mesh["dp_outer", "dp_shard"]._flatten("dp")
@@ -35,7 +35,7 @@ def seed_mesh(shape: Tuple[int, int, int, int], device_type: str = "cpu") -> Dev
     return mesh
 
 
-def seed_kwargs(mesh: DeviceMesh, outer: Optional[str]) -> Dict[str, Any]:
+def seed_kwargs(mesh: DeviceMesh, outer: str | None) -> dict[str, Any]:
     """``fully_shard`` mesh arguments exactly as the seed's ``test_fully_shard`` passes them."""
     cp = mesh["cp"].size()
     return dict(device_mesh=mesh, dp_shard_dim="dp_shard_cp" if cp > 1 else "dp_shard",
@@ -44,25 +44,25 @@ def seed_kwargs(mesh: DeviceMesh, outer: Optional[str]) -> Dict[str, Any]:
                 outer_dp_sharding_strategy=outer if outer is not None else "no_shard")
 
 
-def data_group(mesh: DeviceMesh, outer: Optional[str]) -> dist.ProcessGroup:
+def data_group(mesh: DeviceMesh, outer: str | None) -> dist.ProcessGroup:
     """The group whose ranks average grads together (and so must see different data)."""
     if outer is not None:
         return mesh["hsdp"].get_group()
     return mesh["dp_shard_cp" if mesh["cp"].size() > 1 else "dp_shard"].get_group()
 
 
-def data_position(group: dist.ProcessGroup) -> Tuple[int, int]:
+def data_position(group: dist.ProcessGroup) -> tuple[int, int]:
     """(this rank's position in ``group``, group size)."""
     ranks = dist.get_process_group_ranks(group)
     return ranks.index(dist.get_rank()), len(ranks)
 
 
-def full_params(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full fp32 copies of the wrapped model's params (a collective over each param's mesh)."""
     return {n: p.full_tensor().detach().float().cpu().clone() for n, p in model.module.named_parameters()}
 
 
-def full_grads(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for n, p in model.module.named_parameters():
         if p.grad is not None:
@@ -75,7 +75,7 @@ def comm_device() -> torch.device:
     return torch.device(default_device_type())
 
 
-def assert_same_on_all_ranks(tensors: Dict[str, torch.Tensor], what: str) -> None:
+def assert_same_on_all_ranks(tensors: dict[str, torch.Tensor], what: str) -> None:
     """Every rank holds the same values (replicas across dp_outer / tp / cp must agree)."""
     names = sorted(tensors)
     flat = torch.cat([tensors[n].reshape(-1).double() for n in names]) if names else torch.zeros(1)
@@ -87,7 +87,7 @@ def assert_same_on_all_ranks(tensors: Dict[str, torch.Tensor], what: str) -> Non
     assert spread <= 1e-6 * max(1.0, flat.abs().max().item()), f"{what} differ across ranks by {spread:.3g}"
 
 
-def relative_errors(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> Tuple[float, str]:
+def relative_errors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[float, str]:
     """Largest per-tensor ``||a-e|| / max(||e||, 1e-6)`` and where."""
     assert set(actual) == set(expected), f"names differ: {sorted(set(actual) ^ set(expected))}"
     worst, where = 0.0, ""
@@ -98,8 +98,8 @@ def relative_errors(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.T
     return worst, where
 
 
-def losses_close(actual: List[float], expected: List[float], rtol: float) -> bool:
-    return all(abs(a - b) <= rtol * max(abs(b), 1e-6) for a, b in zip(actual, expected)) and \
+def losses_close(actual: list[float], expected: list[float], rtol: float) -> bool:
+    return all(abs(a - b) <= rtol * max(abs(b), 1e-6) for a, b in zip(actual, expected, strict=True)) and \
         len(actual) == len(expected)
 
 
@@ -117,8 +117,8 @@ def _reference_local(p: Any, full: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def sharded_max_error(model: torch.nn.Module, expected: Dict[str, torch.Tensor], grads: bool = False
-                      ) -> Tuple[float, str]:
+def sharded_max_error(model: torch.nn.Module, expected: dict[str, torch.Tensor], grads: bool = False
+                      ) -> tuple[float, str]:
     """Largest per-tensor ``||local - expected_local|| / ||expected||`` over all ranks, comparing
     each rank's local shards only (one all-reduce instead of one all-gather per param)."""
     worst, where = 0.0, ""
@@ -142,7 +142,7 @@ def sharded_max_error(model: torch.nn.Module, expected: Dict[str, torch.Tensor],
     return agreed.item(), where
 
 
-def _gather_dim(p: Any) -> Optional[int]:
+def _gather_dim(p: Any) -> int | None:
     """The one mesh dim a param is ``Shard(0)`` on when all others are ``Replicate()`` (-1: all
     replicated; None: another layout, e.g. tensor-parallel, gathered with ``full_tensor``)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -155,18 +155,18 @@ def _gather_dim(p: Any) -> Optional[int]:
     return None
 
 
-def gathered_full_params(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def gathered_full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Like ``full_params`` but with one ``all_gather_object`` per (mesh, shard dim) instead of
     one all-gather per param (8 ranks on 2 loaded cores pay per collective). ``Shard(0)`` shards
     follow torch.chunk semantics, so concatenating them in mesh-rank order gives the full tensor;
     HSDP's ``[Replicate(), Shard(0)]`` params gather over their shard dim only."""
     params = list(model.module.named_parameters())
-    keys: List[Tuple[Any, Optional[int]]] = []
+    keys: list[tuple[Any, int | None]] = []
     for _, p in params:
         key = (p.device_mesh, _gather_dim(p))
         if key[1] is not None and all(k[0] is not key[0] or k[1] != key[1] for k in keys):
             keys.append(key)
-    out: Dict[str, torch.Tensor] = {n: p.full_tensor().detach().float().cpu()
+    out: dict[str, torch.Tensor] = {n: p.full_tensor().detach().float().cpu()
                                     for n, p in params if _gather_dim(p) is None}
     for mesh, dim in keys:
         mine = [(n, p) for n, p in params if p.device_mesh is mesh and _gather_dim(p) == dim]
@@ -174,7 +174,7 @@ def gathered_full_params(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
             out.update({n: p.to_local().detach().float().cpu() for n, p in mine})
             continue
         payload = (mesh.get_local_rank(dim), {n: p.to_local().detach().float().cpu() for n, p in mine})
-        objs: List[Any] = [None] * mesh.size(dim)
+        objs: list[Any] = [None] * mesh.size(dim)
         dist.all_gather_object(objs, payload, group=mesh.get_group(dim))
         ordered = [o[1] for o in sorted(objs, key=lambda o: o[0])]
         for n, _ in mine:
@@ -184,7 +184,7 @@ def gathered_full_params(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def sharded_model_error(model: torch.nn.Module, expected: Dict[str, torch.Tensor], grads: bool = False) -> float:
+def sharded_model_error(model: torch.nn.Module, expected: dict[str, torch.Tensor], grads: bool = False) -> float:
     """Whole-model ``||local diffs|| / ||expected||`` (all params together), max over ranks: not
     dominated by near-zero tensors (e.g. LayerNorm biases) whose per-tensor error is noise."""
     num, den = 0.0, 0.0

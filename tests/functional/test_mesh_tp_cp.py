@@ -14,7 +14,7 @@ per-step loss and final params vs the reference at 1e-5 relative (fp32). ``check
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -25,15 +25,21 @@ from tests.functional.common.collective_counter import CollectiveCounter, group_
 from tests.functional.common.models import build_model, loss_fn, unit_classes
 from tests.functional.common.reference import global_batch, make_optimizer
 from tests.functional.common.training import Microbatch, train_accumulating
-from tests.functional.test_mesh_support import (assert_same_on_all_ranks, data_position, full_params,
-                                                relative_errors, seed_kwargs, seed_mesh)
+from tests.functional.test_mesh_support import (
+    assert_same_on_all_ranks,
+    data_position,
+    full_params,
+    relative_errors,
+    seed_kwargs,
+    seed_mesh,
+)
 
 pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
 
 RTOL = 1e-5
 STEPS, MICRO, SAMPLES_PER_DP, SEQ, D = 3, 2, 2, 4, 4
-Batch = Tuple[Tuple[torch.Tensor, ...], torch.Tensor]
-Shape = Tuple[int, int, int, int]  # (dp_outer, dp_shard, cp, tp)
+Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+Shape = tuple[int, int, int, int]  # (dp_outer, dp_shard, cp, tp)
 
 
 class TokenBlock(nn.Module):
@@ -74,7 +80,7 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(build: Callable[[], nn.Module], batch: Callable[[int, int], Batch], loss: Callable,
-               n: int, device: torch.device) -> Tuple[List[float], dict]:
+               n: int, device: torch.device) -> tuple[list[float], dict]:
     """Full-batch training on ``device`` (like kernels with like); params returned on the CPU."""
     model = build().to(device)
     opt = make_optimizer("sgd", model.named_parameters())
@@ -89,8 +95,8 @@ def _reference(build: Callable[[], nn.Module], batch: Callable[[int, int], Batch
     return losses, {k: v.detach().cpu().clone() for k, v in model.named_parameters()}
 
 
-def _train(build, batch, loss, units, mesh, outer: Optional[str], strategy, split_seq: bool,
-           device: torch.device, counter: Optional[CollectiveCounter] = None):
+def _train(build, batch, loss, units, mesh, outer: str | None, strategy, split_seq: bool,
+           device: torch.device, counter: CollectiveCounter | None = None):
     """This rank trains on its samples (by dp position) and, if ``split_seq``, its sequence chunk
     (by cp position); TP ranks get identical data."""
     model = build()
@@ -104,7 +110,7 @@ def _train(build, batch, loss, units, mesh, outer: Optional[str], strategy, spli
     cp_pos, cp_n = data_position(mesh["cp"].get_group())
     per = SAMPLES_PER_DP // MICRO
 
-    def microbatches(step: int) -> List[Microbatch]:
+    def microbatches(step: int) -> list[Microbatch]:
         inputs, target = batch(step, dp_n * SAMPLES_PER_DP)
         out = []
         for m in range(MICRO):
@@ -115,19 +121,19 @@ def _train(build, batch, loss, units, mesh, outer: Optional[str], strategy, spli
             out.append(([x.to(device) for x in xs], y.to(device)))
         return out
 
-    record = (lambda step, m: counter) if counter is not None else None  # noqa: E731
+    record = (lambda step, m: counter) if counter is not None else None
     losses = train_accumulating(fsdp_model, opt, STEPS, microbatches, loss, device, record)
     return losses, full_params(fsdp_model), fsdp_model
 
 
 def _assert_parity(losses, final, ref_losses, ref_params) -> None:
-    for a, b in zip(losses, ref_losses):
+    for a, b in zip(losses, ref_losses, strict=True):
         assert abs(a - b) <= RTOL * abs(b), f"losses {losses} vs reference {ref_losses}"
     err, where = relative_errors(final, ref_params)
     assert err <= RTOL, f"param {where}: relative error {err:.3g}"
 
 
-def check_cp(mesh_shape: Shape, outer: Optional[str], strategy: str, device: torch.device) -> None:
+def check_cp(mesh_shape: Shape, outer: str | None, strategy: str, device: torch.device) -> None:
     """Sequence chunks over ``cp`` (dp_shard_dim = the flattened dp_shard x cp dim) train like
     full sequences, and grads are reduced over groups that contain the cp ranks."""
     mesh = seed_mesh(mesh_shape, device.type)
@@ -146,7 +152,7 @@ def check_cp(mesh_shape: Shape, outer: Optional[str], strategy: str, device: tor
     assert all(set(cp_ranks) <= set(r) or r == outer_ranks for r in reduced), f"grads not reduced over cp: {reduced}"
 
 
-def train_plain_cnn(mesh_shape: Shape, outer: Optional[str], strategy: str, device: torch.device):
+def train_plain_cnn(mesh_shape: Shape, outer: str | None, strategy: str, device: torch.device):
     """Train the plain CNN on ``mesh_shape`` with every engine collective counted; assert parity
     with the reference over the dp ranks' samples; return (mesh, wrapped model, counter)."""
     mesh = seed_mesh(mesh_shape, device.type)
@@ -160,7 +166,7 @@ def train_plain_cnn(mesh_shape: Shape, outer: Optional[str], strategy: str, devi
     return mesh, model, counter
 
 
-def check_tp(mesh_shape: Shape, outer: Optional[str], strategy: str, device: torch.device) -> None:
+def check_tp(mesh_shape: Shape, outer: str | None, strategy: str, device: torch.device) -> None:
     """A plain model replicated over ``tp`` trains like the reference and FSDP never talks over tp."""
     mesh, model, counter = train_plain_cnn(mesh_shape, outer, strategy, device)
     tp = model.dist_index.get_tp_group()

@@ -15,7 +15,8 @@ Measured on CPU (gloo, torch 2.13): errors <= ~3e-7.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ class TPNet(nn.Module):
         return self.out(x)
 
 
-def _build(mesh: Any, meta: bool, seed: int = 0) -> Tuple[nn.Module, Optional[Dict[str, torch.Tensor]]]:
+def _build(mesh: Any, meta: bool, seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor] | None]:
     """The TP model and (eager init only) its full params before wrapping."""
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
@@ -72,7 +73,7 @@ def _build(mesh: Any, meta: bool, seed: int = 0) -> Tuple[nn.Module, Optional[Di
     return model, original
 
 
-def _data_slot(mesh: Any, outer: Optional[str]) -> Tuple[int, int]:
+def _data_slot(mesh: Any, outer: str | None) -> tuple[int, int]:
     """(position, size) of this rank among the ranks that average grads together."""
     if outer is not None:
         group = mesh["hsdp"].get_group()
@@ -81,7 +82,7 @@ def _data_slot(mesh: Any, outer: Optional[str]) -> Tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _batch(step: int, micro: int, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + micro)
     return torch.randn(size * LOCAL, 5, generator=g), torch.randn(size * LOCAL, 3, generator=g)
 
@@ -94,7 +95,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
 
 
-def _check_placements(model: nn.Module, mesh: Any, outer: Optional[str], strategy: int) -> None:
+def _check_placements(model: nn.Module, mesh: Any, outer: str | None, strategy: int) -> None:
     """w1 (column-parallel) is strided over dp, w2.weight row-parallel, w2.bias replicated on tp."""
     tp = mesh["tp"].size()
     dp_kind = Replicate if strategy == 0 else Shard
@@ -115,7 +116,7 @@ def _check_placements(model: nn.Module, mesh: Any, outer: Optional[str], strateg
             assert p.placements[0] == Replicate() and p.device_mesh.mesh_dim_names[0] == "dp_outer", name
 
 
-def _train_reference(ref: nn.Module, size: int) -> Tuple[List[float], Dict[str, torch.Tensor], List[Dict]]:
+def _train_reference(ref: nn.Module, size: int) -> tuple[list[float], dict[str, torch.Tensor], list[dict]]:
     opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     losses, params, grads0 = [], [], None
     for step in range(STEPS):
@@ -134,7 +135,7 @@ def _train_reference(ref: nn.Module, size: int) -> Tuple[List[float], Dict[str, 
     return losses, grads0, params
 
 
-def _wrap(mesh: Any, strategy: int, outer: Optional[str], meta: bool = False, seed: int = 0) -> tuple:
+def _wrap(mesh: Any, strategy: int, outer: str | None, meta: bool = False, seed: int = 0) -> tuple:
     model, original = _build(mesh, meta, seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     fsdp_model, opt = fsdp_impl.fully_shard(
@@ -143,13 +144,13 @@ def _wrap(mesh: Any, strategy: int, outer: Optional[str], meta: bool = False, se
     return fsdp_model, opt, original
 
 
-def _train(fsdp_model: nn.Module, opt: Any, mesh: Any, outer: Optional[str], device: torch.device,
-           first: int, steps: int, before_step: Optional[Callable[[int], None]] = None) -> List[float]:
+def _train(fsdp_model: nn.Module, opt: Any, mesh: Any, outer: str | None, device: torch.device,
+           first: int, steps: int, before_step: Callable[[int], None] | None = None) -> list[float]:
     """Steps ``first``.. of MICRO microbatches (no sync, then sync) on this rank's slice; the
     global losses."""
     pos, size = _data_slot(mesh, outer)
 
-    def microbatches(step: int) -> List[Tuple[List[torch.Tensor], torch.Tensor]]:
+    def microbatches(step: int) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         out = []
         for m in range(MICRO):
             x, y = _batch(step, m, size)
@@ -161,8 +162,8 @@ def _train(fsdp_model: nn.Module, opt: Any, mesh: Any, outer: Optional[str], dev
                               first=first, before_step=before_step)
 
 
-def run_case(dist_env: Any, shape: Tuple[int, int, int, int], strategy: int, outer: Optional[str],
-             meta: bool = False) -> Dict[str, float]:
+def run_case(dist_env: Any, shape: tuple[int, int, int, int], strategy: int, outer: str | None,
+             meta: bool = False) -> dict[str, float]:
     mesh = seed_mesh(shape, dist_env.device.type)
     fsdp_model, opt, original = _wrap(mesh, strategy, outer, meta)
     _check_placements(fsdp_model.module, mesh, outer, strategy)
@@ -240,7 +241,7 @@ def test_tp_dtensor_checkpoint_resume(load_strategy: int, dist_env: Any, shared_
     if load_strategy == 3:
         assert got == expected and worst == 0.0
     else:
-        assert max(abs(a - b) / abs(a) for a, b in zip(expected, got)) <= 1e-6 and worst <= 1e-6
+        assert max(abs(a - b) / abs(a) for a, b in zip(expected, got, strict=True)) <= 1e-6 and worst <= 1e-6
 
 
 @pytest.mark.distributed(world_size=4, timeout=300, bucket="mesh_tp_dtensor4")

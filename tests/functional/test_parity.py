@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -45,7 +44,7 @@ BF16_LOSS_RTOL = 1e-2
 BF16_PARAM_RTOL = 1e-2
 
 
-def _cases() -> List[Tuple[str, str, str, int, bool]]:
+def _cases() -> list[tuple[str, str, str, int, bool]]:
     """(strategy, model, precision, microbatches, meta_init) for one world size."""
     if "1" in (os.environ.get("FSDP_PARITY_FULL"), os.environ.get("HARNESS_FULL_MATRIX")):
         full = itertools.product(STRATEGIES, MODELS, PRECISIONS, (1, 3), (False, True))
@@ -57,14 +56,14 @@ def _cases() -> List[Tuple[str, str, str, int, bool]]:
     return cases
 
 
-def _ids(case: Tuple[str, str, str, int, bool]) -> str:
+def _ids(case: tuple[str, str, str, int, bool]) -> str:
     strategy, model, prec, micro, meta = case
     return f"{strategy}-{model}-{prec}-mb{micro}-{'meta' if meta else 'eager'}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(model: str, precision: str, opt: str, global_size: int, steps: int, device: str,
-               init_on_device: bool) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+               init_on_device: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Reference run on ``device`` (cached per rank process: independent of strategy/microbatches).
 
     Meta init materialises on the compute device with that device's RNG (CUDA's stream differs
@@ -76,13 +75,13 @@ def _reference(model: str, precision: str, opt: str, global_size: int, steps: in
     return train_reference(module.to(device), model, opt, steps, global_size, main_dtype=torch.float32)
 
 
-def _global_relative_error(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> float:
+def _global_relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
     num = sum(((actual[n].double() - e.double()) ** 2).sum() for n, e in expected.items())
     den = sum((e.double() ** 2).sum() for e in expected.values())
     return float((num / den).sqrt())
 
 
-def _check_case(case: Tuple[str, str, str, int, bool], dist_env) -> None:
+def _check_case(case: tuple[str, str, str, int, bool], dist_env) -> None:
     strategy, model, precision, micro, meta = case
     for opt in OPTIMIZERS:
         cfg = RunConfig(model=model, optimizer=opt, strategy=strategy, dtype=PRECISIONS[precision],
@@ -91,7 +90,7 @@ def _check_case(case: Tuple[str, str, str, int, bool], dist_env) -> None:
         ref_losses, ref_params = _reference(model, precision, opt, dist_env.world_size * cfg.local_batch,
                                             cfg.steps, str(dist_env.device), meta)
         assert set(final) == set(ref_params), "parameter names differ from the unwrapped model's"
-        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
         if precision == "fp32":
             param_err, where = max_relative_error(final, ref_params)
             assert loss_err <= FP32_RTOL, f"{opt}: losses {losses} vs reference {ref_losses}"

@@ -9,16 +9,17 @@ and restores them on exit, even if the block raises.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch.distributed as dist
 
 OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast")
 
-Key = Tuple[str, Tuple[int, ...]]  # (op name, sorted global ranks of the group)
+Key = tuple[str, tuple[int, ...]]  # (op name, sorted global ranks of the group)
 
 
-def group_ranks(group: Optional[dist.ProcessGroup]) -> Tuple[int, ...]:
+def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
     """Sorted global ranks of ``group`` (``None`` = the default group)."""
     if group is None:
         return tuple(range(dist.get_world_size()))
@@ -28,7 +29,7 @@ def group_ranks(group: Optional[dist.ProcessGroup]) -> Tuple[int, ...]:
 class _Recorder:
     """The replacement for one ``torch.distributed`` function: record, then call through."""
 
-    def __init__(self, counter: "CollectiveCounter", op: str, original: Callable[..., Any]) -> None:
+    def __init__(self, counter: CollectiveCounter, op: str, original: Callable[..., Any]) -> None:
         self.counter, self.op, self.original = counter, op, original
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -41,13 +42,13 @@ class CollectiveCounter:
 
     def __init__(self, ops: Iterable[str] = OPS) -> None:
         self.ops = tuple(ops)
-        self.calls: List[Key] = []
-        self._saved: Dict[str, Callable[..., Any]] = {}
+        self.calls: list[Key] = []
+        self._saved: dict[str, Callable[..., Any]] = {}
 
-    def record(self, op: str, group: Optional[dist.ProcessGroup]) -> None:
+    def record(self, op: str, group: dist.ProcessGroup | None) -> None:
         self.calls.append((op, group_ranks(group)))
 
-    def __enter__(self) -> "CollectiveCounter":
+    def __enter__(self) -> CollectiveCounter:
         for op in self.ops:
             self._saved[op] = getattr(dist, op)
             setattr(dist, op, _Recorder(self, op, self._saved[op]))
@@ -61,12 +62,12 @@ class CollectiveCounter:
     def reset(self) -> None:
         self.calls.clear()
 
-    def count(self, op: Optional[str] = None, group: Optional[dist.ProcessGroup] = None,
-              ranks: Optional[Tuple[int, ...]] = None) -> int:
+    def count(self, op: str | None = None, group: dist.ProcessGroup | None = None,
+              ranks: tuple[int, ...] | None = None) -> int:
         """Calls of ``op`` (any op if None) on ``group`` / ``ranks`` (any group if both None)."""
         want = group_ranks(group) if group is not None else ranks
         return sum(1 for o, r in self.calls if (op is None or o == op) and (want is None or r == want))
 
-    def summary(self) -> Dict[Key, int]:
+    def summary(self) -> dict[Key, int]:
         """{(op, ranks): count}, for assertion messages."""
         return dict(Counter(self.calls))

@@ -10,13 +10,13 @@ full-batch grad.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-Batch = Tuple[Tuple[torch.Tensor, ...], torch.Tensor]
+Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 
 
 class SmallCNN(nn.Module):
@@ -57,7 +57,7 @@ class _Block(nn.Module):
         self.fc1 = nn.Linear(d, 2 * d, dtype=dtype)
         self.fc2 = nn.Linear(2 * d, d, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, memory: Optional[torch.Tensor] = None,
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None,
                 causal: bool = False) -> torch.Tensor:
         h = self.norm1(x)
         mask = None
@@ -135,7 +135,7 @@ class SmallGPT(nn.Module):
         self.pos = nn.Embedding(seq, d, dtype=dtype)
         self.blocks = nn.ModuleList([GPTBlock(d, heads, dtype) for _ in range(layers)])
         self.norm = nn.LayerNorm(d, dtype=dtype)
-        self.lm_head: Optional[nn.Linear] = None
+        self.lm_head: nn.Linear | None = None
         if tie_module:
             self.lm_head = nn.Linear(d, vocab, bias=False, dtype=dtype)
             self.lm_head.weight = self.tok.weight
@@ -168,7 +168,7 @@ MODELS = {
 
 
 def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
-                device: Optional[str] = None, **kwargs) -> nn.Module:
+                device: str | None = None, **kwargs) -> nn.Module:
     """Build model ``name`` with ``torch.manual_seed(seed)`` (``device="meta"`` for meta init)."""
     cls, _ = MODELS[name]
     torch.manual_seed(seed)

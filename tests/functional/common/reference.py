@@ -7,7 +7,7 @@ without any sharding, microbatching or communication.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
@@ -17,7 +17,7 @@ from .models import loss_fn, make_batch
 OPTIMIZERS = ("adam", "sgd")
 
 
-def make_optimizer(kind: str, named_params: Iterable[Tuple[str, nn.Parameter]], lr: float = 1e-2
+def make_optimizer(kind: str, named_params: Iterable[tuple[str, nn.Parameter]], lr: float = 1e-2
                    ) -> torch.optim.Optimizer:
     """Adam or SGD with two param groups: matrices (weight decay, ``lr``) and vectors (no decay,
     ``lr / 2``), so a test notices if groups or their hyper-parameters are lost.
@@ -43,8 +43,8 @@ def global_batch(model_name: str, step: int, global_size: int, dtype: torch.dtyp
 
 
 def train_reference(model: nn.Module, model_name: str, opt_kind: str, steps: int, global_size: int,
-                    main_dtype: Optional[torch.dtype] = None, lr: float = 1e-2
-                    ) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+                    main_dtype: torch.dtype | None = None, lr: float = 1e-2
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train ``model`` on the full batch; return per-step losses and final (main) params by name.
 
     Runs on the device ``model`` lives on (so a GPU run compares like kernels with like); the
@@ -57,18 +57,18 @@ def train_reference(model: nn.Module, model_name: str, opt_kind: str, steps: int
     masters = [(n, nn.Parameter(p.detach().to(main_dtype), requires_grad=p.requires_grad))
                for n, p in named] if separate else named
     opt = make_optimizer(opt_kind, masters, lr=lr)
-    losses: List[float] = []
+    losses: list[float] = []
     for step in range(steps):
         if separate:
             with torch.no_grad():
-                for (_, p), (_, m) in zip(named, masters):
+                for (_, p), (_, m) in zip(named, masters, strict=True):
                     p.copy_(m)
         inputs, target = global_batch(model_name, step, global_size, compute_dtype)
         inputs, target = [x.to(device) for x in inputs], target.to(device)
         loss = loss_fn(model_name)(model(*inputs), target)
         loss.backward()
         if separate:
-            for (_, p), (_, m) in zip(named, masters):
+            for (_, p), (_, m) in zip(named, masters, strict=True):
                 m.grad = None if p.grad is None else p.grad.to(main_dtype)
                 p.grad = None
         opt.step()
@@ -77,8 +77,8 @@ def train_reference(model: nn.Module, model_name: str, opt_kind: str, steps: int
     return losses, {n: m.detach().cpu().clone() for n, m in masters}
 
 
-def max_relative_error(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]
-                       ) -> Tuple[float, str]:
+def max_relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+                       ) -> tuple[float, str]:
     """Largest per-tensor ``||a - e|| / ||e||`` and the name where it occurs."""
     worst, where = 0.0, ""
     for name, e in expected.items():

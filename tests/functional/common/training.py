@@ -3,19 +3,21 @@ this rank's slice of the same global batches the reference sees."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import ContextManager
 
 import torch
 import torch.distributed as dist
 
 import fsdp_impl
+
 from .models import build_model, loss_fn, unit_classes
 from .reference import global_batch, make_optimizer
 
-Microbatch = Tuple[Sequence[torch.Tensor], torch.Tensor]  # (model inputs, target) on the device
+Microbatch = tuple[Sequence[torch.Tensor], torch.Tensor]  # (model inputs, target) on the device
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Recorder = Callable[[int, int], Optional[ContextManager]]
+Recorder = Callable[[int, int], ContextManager | None]
 
 
 @dataclass
@@ -24,7 +26,7 @@ class RunConfig:
     optimizer: str = "adam"
     strategy: object = 3
     dtype: torch.dtype = torch.float32  # compute dtype of the module
-    main_dtype: Optional[torch.dtype] = torch.float32
+    main_dtype: torch.dtype | None = torch.float32
     microbatches: int = 1
     meta_init: bool = False
     steps: int = 5
@@ -39,8 +41,8 @@ def local_slice(t: torch.Tensor, rank: int, per_rank: int) -> torch.Tensor:
 
 def train_accumulating(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int,
                        microbatches: Callable[[int], Sequence[Microbatch]], loss: LossFn,
-                       device: torch.device, record: Optional[Recorder] = None, first: int = 0,
-                       before_step: Optional[Callable[[int], None]] = None) -> List[float]:
+                       device: torch.device, record: Recorder | None = None, first: int = 0,
+                       before_step: Callable[[int], None] | None = None) -> list[float]:
     """``steps`` optimisation cycles of gradient accumulation; return each step's global loss.
 
     Each cycle runs the microbatches ``microbatches(step)`` gives this rank with auto-sync off
@@ -52,7 +54,7 @@ def train_accumulating(model: torch.nn.Module, opt: torch.optim.Optimizer, steps
     loss all-reduce. Steps are numbered from ``first`` (to resume a run); ``before_step(step)``
     runs after the sync backward, before ``opt.step()`` (to inspect the synced grads).
     """
-    losses: List[float] = []
+    losses: list[float] = []
     for step in range(first, first + steps):
         batches = microbatches(step)
         total = torch.zeros((), device=device)
@@ -72,8 +74,8 @@ def train_accumulating(model: torch.nn.Module, opt: torch.optim.Optimizer, steps
     return losses
 
 
-def train_fsdp(cfg: RunConfig, device: torch.device, model: Optional[torch.nn.Module] = None,
-               **fsdp_kwargs) -> Tuple[List[float], Dict[str, torch.Tensor], "torch.nn.Module"]:
+def train_fsdp(cfg: RunConfig, device: torch.device, model: torch.nn.Module | None = None,
+               **fsdp_kwargs) -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
     """Train with FSDP; return the global per-step losses, full final params and the model.
 
     ``model`` overrides the freshly built ``cfg.model`` (e.g. with frozen params); extra keyword
@@ -90,7 +92,7 @@ def train_fsdp(cfg: RunConfig, device: torch.device, model: Optional[torch.nn.Mo
     fsdp_model, opt = fsdp_impl.fully_shard(model, opt, **kwargs)
     micro = cfg.local_batch // cfg.microbatches
 
-    def microbatches(step: int) -> List[Microbatch]:
+    def microbatches(step: int) -> list[Microbatch]:
         inputs, target = global_batch(cfg.model, step, world * cfg.local_batch, cfg.dtype)
         inputs = [local_slice(x, rank, cfg.local_batch).to(device) for x in inputs]
         target = local_slice(target, rank, cfg.local_batch).to(device)

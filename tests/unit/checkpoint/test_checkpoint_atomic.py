@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _ckpt_unit_models import make_trainer
+
 from fsdp_impl import checkpoint
 from fsdp_impl.checkpoint import CheckpointWriteError
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ckpt_unit_models import TinyNet, Trainer, make_trainer
 
-from _ckpt_unit_models import Trainer, TinyNet, make_trainer
 from fsdp_impl import checkpoint
 from fsdp_impl.checkpoint import (
     CheckpointCorruptedError,
@@ -127,7 +127,7 @@ def test_damaged_load_leaves_model_untouched(saved: Path) -> None:
     before = [p.detach().clone() for p in t.model.parameters()]
     with pytest.raises(CheckpointCorruptedError):
         checkpoint.load(saved, t.model, t.optimizer)
-    assert all(torch.equal(a, b.detach()) for a, b in zip(before, t.model.parameters()))
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, t.model.parameters(), strict=True))
     assert len(t.optimizer.state) == 0
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from _ckpt_unit_models import make_trainer
 
 from fsdp_impl import checkpoint
-from _ckpt_unit_models import make_trainer
 
 
 def _run_and_save(path: Path, k: int, n: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -42,9 +42,9 @@ def test_load_into_never_stepped_optimizer_restores_adam_state_without_a_step(tm
     assert len(dst.optimizer.state) == 0  # Adam creates state lazily
     checkpoint.load(tmp_path / "ck", dst.model, dst.optimizer)
     # Weights right after load equal the saved ones: no dummy step moved them (AdamW decays!).
-    for (name, a), b in zip(src.model.named_parameters(), dst.model.parameters()):
+    for (name, a), b in zip(src.model.named_parameters(), dst.model.parameters(), strict=True):
         assert torch.equal(a.detach(), b.detach()), name
-    for a, b in zip(src.model.parameters(), dst.model.parameters()):
+    for a, b in zip(src.model.parameters(), dst.model.parameters(), strict=True):
         sa, sb = src.optimizer.state[a], dst.optimizer.state[b]
         assert sa.keys() == sb.keys() == {"step", "exp_avg", "exp_avg_sq"}
         assert float(sb["step"]) == 2.0  # not 3: no dummy step advanced it
@@ -135,7 +135,7 @@ def test_state_dict_returning_copies_still_loads_the_weights(tmp_path: Path) -> 
 
     dst.model._register_state_dict_hook(copies)
     checkpoint.load(tmp_path / "ck", dst.model, dst.optimizer)
-    for a, b in zip(src.model.parameters(), dst.model.parameters()):
+    for a, b in zip(src.model.parameters(), dst.model.parameters(), strict=True):
         assert torch.equal(a.detach(), b.detach())
     assert dst.step(1) == src.step(1)
 

@@ -10,9 +10,6 @@ import pathlib
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
-from typing import Optional
-
-import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 SAMPLES = pathlib.Path(__file__).resolve().parent / "samples"
@@ -29,7 +26,7 @@ class Case:
     props: list[tuple[str, str]]
     time: float = 0.0
 
-    def prop(self, name: str) -> Optional[str]:
+    def prop(self, name: str) -> str | None:
         return next((v for n, v in self.props if n == name), None)
 
     def rank_props(self, name: str) -> dict[int, str]:
@@ -66,7 +63,7 @@ def parse_junit(path: pathlib.Path) -> dict[str, Case]:
     return cases
 
 
-def run_samples(tmp: pathlib.Path, *names: str, args: tuple[str, ...] = (), env: Optional[dict] = None,
+def run_samples(tmp: pathlib.Path, *names: str, args: tuple[str, ...] = (), env: dict | None = None,
                 timeout: float = 600) -> SampleRun:
     """Run sample files in a fresh pytest process from the repo root (as a user would)."""
     junit = tmp / "junit.xml"

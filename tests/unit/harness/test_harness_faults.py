@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from harness_selftest import SampleRun, pid_alive
 
 FOLLOW_UPS = ["test_after_segv", "test_after_abort", "test_after_exit", "test_after_kill",

@@ -8,7 +8,6 @@ import sys
 import time
 
 import pytest
-
 from harness_selftest import REPO, SAMPLES, pid_alive
 
 

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from harness_selftest import REPO
 
 _CHECK = """

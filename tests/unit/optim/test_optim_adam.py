@@ -45,7 +45,7 @@ def _grads(params: list[torch.Tensor], step: int) -> list[torch.Tensor | None]:
 
 def _run(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, attr: str = "grad") -> None:
     for step in range(steps):
-        for p, g in zip(params, _grads(params, step)):
+        for p, g in zip(params, _grads(params, step), strict=True):
             if attr == "grad":
                 p.grad = g
             else:
@@ -54,7 +54,7 @@ def _run(opt: torch.optim.Optimizer, params: list[torch.Tensor], steps: int, att
 
 
 def _assert_params_close(ours: list[torch.Tensor], ref: list[torch.Tensor], rtol: float, atol: float) -> None:
-    for i, (a, b) in enumerate(zip(ours, ref)):
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
         a = a.full_tensor() if isinstance(a, DTensor) else a
         torch.testing.assert_close(a.detach(), b.detach(), rtol=rtol, atol=atol, msg=f"param {i}")
 
@@ -69,9 +69,9 @@ def test_matches_torch_fp32(ours_cls: type, torch_cls: type, config: dict[str, A
     _run(ours, ours_p, STEPS)
     _run(ref, ref_p, STEPS)
     _assert_params_close(ours_p, ref_p, rtol=1e-6, atol=1e-7)
-    moved = max((p - q).abs().max().item() for p, q in zip(ours_p, _make_params()) if p.numel())
+    moved = max((p - q).abs().max().item() for p, q in zip(ours_p, _make_params(), strict=True) if p.numel())
     assert moved > STEPS * LR * 0.1, "the optimizer did not move the parameters"
-    for p, q in zip(ours_p, ref_p):
+    for p, q in zip(ours_p, ref_p, strict=True):
         if p in ours.state:
             assert ours.state[p]["step"].item() == ref.state[q]["step"].item()
     assert ours.state[ours_p[1]]["step"].item() == STEPS // 2  # skipped without a grad, like torch
@@ -122,7 +122,7 @@ def test_bf16_moments_close_to_fp32(foreach: bool) -> None:
     assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg_sq"].dtype == torch.bfloat16
     assert ours_p[0].dtype == torch.float32
     _assert_params_close(ours_p, ref_p, rtol=0, atol=STEPS * LR * 0.05)
-    diff = max((p - q).abs().max().item() for p, q in zip(ours_p, ref_p) if p.numel())
+    diff = max((p - q).abs().max().item() for p, q in zip(ours_p, ref_p, strict=True) if p.numel())
     assert diff > 0, "bf16 moments gave bit-identical results: moments were not stored in bf16"
 
 
@@ -228,12 +228,12 @@ def test_load_torch_state_dict_then_continue() -> None:
     ref = torch.optim.AdamW(ref_p, lr=LR)
     _run(ref, ref_p, 3)
     with torch.no_grad():
-        for p, q in zip(ours_p, ref_p):
+        for p, q in zip(ours_p, ref_p, strict=True):
             p.copy_(q)
     ours = AdamW(ours_p, lr=LR)
     ours.load_state_dict(copy.deepcopy(ref.state_dict()))
     for step in range(3, STEPS):
-        for p, q, g in zip(ours_p, ref_p, _grads(ref_p, step)):
+        for p, q, g in zip(ours_p, ref_p, _grads(ref_p, step), strict=True):
             p.grad, q.grad = g, g
         ours.step()
         ref.step()
@@ -266,9 +266,9 @@ def test_dtensor_params_match_plain(one_rank_mesh: Any, placement: Any, foreach:
     ours = AdamW(ours_p, lr=LR, foreach=foreach, use_decoupled_grad=True, weight_decay=0.1)
     ref = torch.optim.AdamW(ref_p, lr=LR, weight_decay=0.1)
     for step in range(STEPS):
-        for p, g in zip(ours_p, _grads(ours_p, step)):
+        for p, g in zip(ours_p, _grads(ours_p, step), strict=True):
             p.decoupled_grad = None if g is None else distribute_tensor(g, one_rank_mesh, [placement])
-        for p, g in zip(ref_p, _grads(ref_p, step)):
+        for p, g in zip(ref_p, _grads(ref_p, step), strict=True):
             p.grad = g
         ours.step()
         ref.step()
@@ -304,7 +304,7 @@ def test_dcp_save_load_resumes_exactly(one_rank_mesh: Any, tmp_path: Any) -> Non
     def run(pairs: list[tuple[AdamW, list[torch.nn.Parameter]]], steps: range) -> None:
         for step in steps:
             for opt_, params_ in pairs:
-                for p, g in zip(params_, _grads(params_, step)):
+                for p, g in zip(params_, _grads(params_, step), strict=True):
                     p.grad = None if g is None else distribute_tensor(g, one_rank_mesh, [Shard(0)])
                 opt_.step()
 

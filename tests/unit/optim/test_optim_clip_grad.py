@@ -52,7 +52,7 @@ def test_matches_torch(norm_type: float, max_norm: float) -> None:
     total = clip_grad_norm(ours, max_norm, norm_type)
     ref_total = _torch_clip(ref, max_norm, norm_type)
     torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=0)
-    for a, b in zip(_grads(ours), _grads(ref)):
+    for a, b in zip(_grads(ours), _grads(ref), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     if max_norm < 1:
         clipped = torch.linalg.vector_norm(torch.cat([g.flatten() for g in _grads(ours)]), norm_type)
@@ -120,7 +120,7 @@ def test_model_buffer_flag_selects_attribute(flag: bool) -> None:
     ref_total = _torch_clip(ref, 0.5)
     torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=0)
     attr = "decoupled_grad" if flag else "grad"
-    for a, b in zip(_grads(ours, attr), _grads(ref)):
+    for a, b in zip(_grads(ours, attr), _grads(ref), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -154,7 +154,7 @@ def test_non_finite_warns_and_leaves_grads(bad: float, norm_type: float) -> None
     with pytest.warns(RuntimeWarning, match="non-finite"):
         total = clip_grad_norm(params, 1.0, norm_type)
     assert not torch.isfinite(total)
-    for a, b in zip(_grads(params), before):
+    for a, b in zip(_grads(params), before, strict=True):
         torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
 
 
@@ -224,7 +224,7 @@ def test_dtensor_grads_one_rank(one_rank_mesh: Any, placement: Any, norm_type: f
     total = clip_grad_norm(ours + [mixed], 0.5, norm_type, use_decoupled_grad=True)
     ref_total = _torch_clip(ref + [ref_mixed], 0.5, norm_type)
     torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=0)
-    for a, b in zip(_grads(ours + [mixed], "decoupled_grad"), _grads(ref + [ref_mixed])):
+    for a, b in zip(_grads(ours + [mixed], "decoupled_grad"), _grads(ref + [ref_mixed]), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -249,7 +249,7 @@ def test_property_matches_torch(
     grads = [torch.randn(s, generator=gen) for s in shapes]
     ours = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     ref = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-    for p, q, g in zip(ours, ref, grads):
+    for p, q, g in zip(ours, ref, grads, strict=True):
         setattr(p, "decoupled_grad" if decoupled else "grad", g.clone())
         q.grad = g.clone()
     total = clip_grad_norm(ours, max_norm, norm_type, use_decoupled_grad=decoupled)
@@ -258,6 +258,6 @@ def test_property_matches_torch(
         torch.testing.assert_close(total, ref_total, rtol=1e-5, atol=1e-7)
     else:
         assert total.item() == 0.0
-    for p, q in zip(ours, ref):
+    for p, q in zip(ours, ref, strict=True):
         got = p.decoupled_grad if decoupled else p.grad
         torch.testing.assert_close(got, q.grad, rtol=1e-5, atol=1e-7)

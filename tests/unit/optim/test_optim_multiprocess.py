@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -49,18 +50,18 @@ def _clip_worker(rank: int, store_path: str) -> None:
     for norm_type in (2.0, 1.0, math.inf):
         full = _full_grads(seed=7)
         params = []
-        for g, (mesh, placements) in zip(full, _layouts(world_mesh, mesh_2d)):
+        for g, (mesh, placements) in zip(full, _layouts(world_mesh, mesh_2d), strict=True):
             p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(g), mesh, placements))
             p.decoupled_grad = distribute_tensor(g, mesh, placements)
             params.append(p)
         assert params[2].decoupled_grad.to_local().numel() == (1 if rank == 0 else 0)
         ref = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
-        for r, g in zip(ref, full):
+        for r, g in zip(ref, full, strict=True):
             r.grad = g.clone()
         total = clip_grad_norm(params, 0.3, norm_type, use_decoupled_grad=True)
         ref_total = torch.nn.utils.clip_grad_norm_(ref, 0.3, norm_type)
         torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=0, msg=f"norm {norm_type}")
-        for p, r in zip(params, ref):
+        for p, r in zip(params, ref, strict=True):
             torch.testing.assert_close(p.decoupled_grad.full_tensor(), r.grad, rtol=1e-6, atol=1e-7)
     dist.destroy_process_group()
 
@@ -70,14 +71,14 @@ def _adam_worker(rank: int, store_path: str) -> None:
     start = _full_grads(seed=1)
     layouts = _layouts(world_mesh, mesh_2d)
     params = [
-        torch.nn.Parameter(distribute_tensor(t.clone(), m, pl)) for t, (m, pl) in zip(start, layouts)
+        torch.nn.Parameter(distribute_tensor(t.clone(), m, pl)) for t, (m, pl) in zip(start, layouts, strict=True)
     ]
     ref = [torch.nn.Parameter(t.clone()) for t in start]
     opt = AdamW(params, lr=0.01, weight_decay=0.1, use_decoupled_grad=True)
     ref_opt = torch.optim.AdamW(ref, lr=0.01, weight_decay=0.1)
     for step in range(4):
         grads = _full_grads(seed=100 + step)
-        for p, r, g, (m, pl) in zip(params, ref, grads, layouts):
+        for p, r, g, (m, pl) in zip(params, ref, grads, layouts, strict=True):
             p.decoupled_grad = distribute_tensor(g, m, pl)
             r.grad = g.clone()
         clip_grad_norm(params, 1.0, use_decoupled_grad=True)
@@ -86,7 +87,7 @@ def _adam_worker(rank: int, store_path: str) -> None:
         ref_opt.step()
         opt.zero_grad()
         assert all(p.decoupled_grad is None for p in params)
-    for p, r in zip(params, ref):
+    for p, r in zip(params, ref, strict=True):
         torch.testing.assert_close(p.full_tensor(), r.detach(), rtol=1e-6, atol=1e-7)
     for p in params:  # state exists (and is DTensor) even where the local shard is empty
         assert isinstance(opt.state[p]["exp_avg"], DTensor)

@@ -15,7 +15,14 @@ import pytest
 
 from harness import signoff
 from harness.junit_read import (
-    ERROR, FAILED, PASSED, SKIPPED, XFAILED, JunitError, failing_ranks, one_line_cause,
+    ERROR,
+    FAILED,
+    PASSED,
+    SKIPPED,
+    XFAILED,
+    JunitError,
+    failing_ranks,
+    one_line_cause,
     read_junit,
 )
 
@@ -37,7 +44,7 @@ def table_rows(report: str, heading: str) -> list[dict[str, str]]:
             break
     split = [[c.strip() for c in row.strip("|").split(" | ")] for row in table]
     headers = split[0]
-    return [dict(zip(headers, row)) for row in split[2:]]
+    return [dict(zip(headers, row, strict=True)) for row in split[2:]]
 
 
 def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

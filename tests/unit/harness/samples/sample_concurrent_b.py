@@ -1,6 +1,5 @@
 """Bucket B of the xdist concurrency self-test."""
 import pytest
-
 from sample_concurrent_a import meet
 
 pytestmark = pytest.mark.distributed(world_size=2, timeout=450)
