@@ -30,8 +30,8 @@ from .unit import FSDPUnit, UnitContext
 Strategy = Union[str, int]
 
 
-def _not_implemented(what: str, issue: str) -> NotImplementedError:
-    return NotImplementedError(f"{what} is not implemented yet ({issue})")
+def _not_implemented(what: str, unsupported: str, allowed: str) -> NotImplementedError:
+    return NotImplementedError(f"{what} is not implemented yet: {unsupported} is not supported; {allowed}")
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -59,9 +59,12 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_
         raise ValueError(f"outer_dp_sharding_strategy='optim'/1 requires zero_dp_strategy="
                          f"'optim_grads_params'/3, got zero_dp_strategy={strategy.name.lower()!r}/{int(strategy)}")
     if flags["cuda_graph_mode"]:
-        raise _not_implemented("cuda_graph_mode=True", "CUDA-graph issue")
+        raise _not_implemented("cuda_graph_mode=True", "capturing the FSDP hooks and collectives in CUDA graphs",
+                               "pass cuda_graph_mode=False")
     if flags["keep_fp8_transpose_cache"]:
-        raise _not_implemented("keep_fp8_transpose_cache=True (FP8 parameters)", "FP8 issue")
+        raise _not_implemented("keep_fp8_transpose_cache=True (FP8 parameters)",
+                               "keeping an FP8 transpose cache of the sharded params",
+                               "pass keep_fp8_transpose_cache=False")
     if meta_init and strategy == ShardingStrategy.NO_SHARD:
         raise ValueError("init_model_with_meta_device=True is not supported with zero_dp_strategy="
                          "'no_shard'/0 (every rank would hold the whole model anyway); allowed "

@@ -2,13 +2,13 @@
 
 With ``use_decoupled_grad=True`` the FSDP engine stores each synced gradient shard on
 ``param.decoupled_grad`` (in the main-grads dtype, uncast) and leaves ``param.grad`` as None, so a
-precision-aware optimizer can read low-precision gradients without autograd casting them. Two
-real Megatron-FSDP failures came from the three parties disagreeing:
+precision-aware optimizer can read low-precision gradients without autograd casting them. When
+the three parties (model, optimizer, grad clipping) disagree on the attribute:
 
-* grad clipping read ``decoupled_grad`` while it was None and handed None to a fused kernel
+* grad clipping reads ``decoupled_grad`` while it is None and hands None to a fused kernel
   (segfault);
-* the buffer wrote ``decoupled_grad`` while the optimizer read ``.grad`` (None), so every step
-  was a silent no-op and training did not converge.
+* the buffer writes ``decoupled_grad`` while the optimizer reads ``.grad`` (None), so every step
+  is a silent no-op and training does not converge.
 
 This module is the single place that answers "which attribute holds the gradient" and checks,
 at wrap time, that model and optimizer agree.

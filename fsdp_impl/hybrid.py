@@ -1,4 +1,4 @@
-"""Mesh shapes beyond one shard dim: HSDP, HFSDP, TP and CP (issue 4).
+"""Mesh shapes beyond one shard dim: HSDP, HFSDP, TP and CP.
 
 ``resolve_parallel_dims`` turns the user's mesh arguments into a ``ParallelDims``: which mesh the
 FSDP units shard over, which group (if any) grads are all-reduced across once per optimisation
@@ -19,7 +19,8 @@ Designs (correct and simple first):
   all-gathers run over it on every forward/backward. Grads take two levels
   (``two_level_groups``): a reduce-scatter inside dp_shard every backward, accumulated, and one
   across dp_outer on the sync backward, so grad traffic crosses dp_outer once per cycle. That
-  needs hybrid rank = outer rank x inner size + inner rank (the seed's flattened ``hsdp`` dim);
+  needs hybrid rank = outer rank x inner size + inner rank (e.g. a flattened ``hsdp`` dim of
+  ``(dp_outer, dp_shard[, cp])``);
   any other rank order keeps one reduce-scatter over the hybrid group per backward.
 * **TP** (``tp_dim`` of size > 1): a plain model (no DTensor params) is replicated over TP; TP
   ranks see the same data, so their grads are already equal and data-parallel semantics are

@@ -32,9 +32,6 @@ except ImportError:  # pragma: no cover - depends on the torch build
 from .buffers import contiguous_stride
 from .mesh import mesh_dim_names, submesh
 
-ISSUE = "issue 4: TP"
-
-
 def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
     return sorted(int(r) for r in mesh.mesh.flatten().tolist())
 
@@ -90,7 +87,7 @@ def tp_spec_of(name: str, param: nn.Parameter, tp_mesh: DeviceMesh | None,
     if isinstance(placement, Shard) and placement.dim == 0 and tp_mesh.size() > 1 and _StridedShard is None:
         raise NotImplementedError(f"{where}; row-sharded (Shard(0)) TP params need "
                                   "torch.distributed.tensor.placement_types._StridedShard, which this "
-                                  f"torch build lacks ({ISSUE})")
+                                  "torch build lacks; row-sharded TP params are not supported on it")
     local = tuple(param.to_local().shape)
     if len(local) == 0:
         raise ValueError(f"{where} is 0-dimensional; fully_shard needs params with at least one dim")
