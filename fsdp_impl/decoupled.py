@@ -17,7 +17,8 @@ at wrap time, that model and optimizer agree.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -28,8 +29,10 @@ except ImportError:  # pragma: no cover - old torch only
 
 __all__ = [
     "DECOUPLED_GRAD_ATTR",
+    "DeclaresDecoupledGrad",
     "check_decoupled_grad_consistency",
     "clear_grad",
+    "clear_grads",
     "grad_attr_name",
     "local_tensor",
     "optimizer_reads_decoupled_grad",
@@ -77,6 +80,12 @@ def clear_grad(param: torch.Tensor, use_decoupled_grad: bool, set_to_none: bool)
         local_tensor(grad).zero_()
 
 
+def clear_grads(params: Iterable[torch.Tensor], use_decoupled_grad: bool, set_to_none: bool) -> None:
+    """``clear_grad`` for each of ``params``."""
+    for param in params:
+        clear_grad(param, use_decoupled_grad, set_to_none)
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The rank-local storage of a DTensor (a view, updatable in place), else the tensor itself.
 
@@ -86,6 +95,16 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         return tensor._local_tensor
     return tensor
+
+
+@runtime_checkable
+class DeclaresDecoupledGrad(Protocol):
+    """An optimizer that states which attribute it reads: ``use_decoupled_grad`` True means
+    ``param.decoupled_grad``, False ``param.grad`` (``fsdp_impl.optim`` optimizers, TE
+    ``FusedAdam``). Declared structurally so this module needs no import of any optimizer."""
+
+    @property
+    def use_decoupled_grad(self) -> bool: ...
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:
@@ -117,27 +136,24 @@ def _te_fused_adam_type() -> type | None:
 def optimizer_reads_decoupled_grad(optimizer: Any) -> bool:
     """Whether ``optimizer`` reads ``param.decoupled_grad`` (True) or ``param.grad`` (False).
 
-    * ``fsdp_impl.optim`` optimizers: their ``use_decoupled_grad`` flag;
-    * TransformerEngine ``FusedAdam``: its ``use_decoupled_grad`` attribute;
+    * TransformerEngine ``FusedAdam``: its ``use_decoupled_grad`` attribute (truthiness);
     * ``torch.optim`` optimizers: False (they only know ``.grad``);
-    * anything else: its ``use_decoupled_grad`` attribute when that is a bool, else False.
+    * anything else, e.g. ``fsdp_impl.optim`` optimizers: its ``use_decoupled_grad`` attribute
+      when that is a bool (``DeclaresDecoupledGrad``), else False.
 
     Wrapped optimizers are looked through via their ``.optimizer`` attribute.
     """
     if optimizer is None:
         raise TypeError("optimizer must be an optimizer object, got None")
-    from fsdp_impl.optim import Adam  # local import: fsdp_impl.optim imports this module
-
     inner = _unwrap_optimizer(optimizer)
-    if isinstance(inner, Adam):
-        return inner.use_decoupled_grad
     te_fused_adam = _te_fused_adam_type()
     if te_fused_adam is not None and isinstance(inner, te_fused_adam):
         return bool(getattr(inner, "use_decoupled_grad", False))
     if type(inner).__module__.startswith("torch.optim"):
         return False
-    flag = getattr(inner, "use_decoupled_grad", None)
-    return flag if isinstance(flag, bool) else False
+    if isinstance(inner, DeclaresDecoupledGrad) and isinstance(inner.use_decoupled_grad, bool):
+        return inner.use_decoupled_grad
+    return False
 
 
 def check_decoupled_grad_consistency(model_uses_decoupled: bool, optimizer: Any) -> None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .decoupled import clear_grads
 from .engine import FSDPEngine
-from .module import reset_decoupled_grads
 
 
 def remap_optimizer_params(optimizer: torch.optim.Optimizer, mapping: dict[int, torch.nn.Parameter]) -> None:
@@ -43,8 +43,8 @@ class _FSDPOptimizerMixin:
         for engine in self._fsdp_engines:
             engine.zero_grad_buffers(free=set_to_none)
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
-        if any(e.use_decoupled_grad for e in self._fsdp_engines):
-            reset_decoupled_grads((p for g in self.param_groups for p in g["params"]), set_to_none)  # type: ignore[attr-defined]
+        params = (p for g in self.param_groups for p in g["params"])  # type: ignore[attr-defined]
+        clear_grads(params, any(e.use_decoupled_grad for e in self._fsdp_engines), set_to_none)
 
 
 def attach_engines(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine]) -> torch.optim.Optimizer:

@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - depends on the torch build
 from .buffers import contiguous_stride
 from .mesh import mesh_dim_names, submesh
 
+
 def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
     return sorted(int(r) for r in mesh.mesh.flatten().tolist())
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from fsdp_impl.decoupled import DTensor, clear_grad, grad_attr_name, local_tensor, read_grad
+from fsdp_impl.decoupled import DTensor, clear_grads, grad_attr_name, local_tensor, read_grad
 from fsdp_impl.optim._adam_math import AdamHyper, AdamTensors, adam_foreach_, adam_single_
 
 __all__ = ["Adam", "AdamW"]
@@ -236,10 +236,8 @@ class Adam(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset ``.grad`` like torch and, with decoupled grads, ``decoupled_grad`` too."""
         super().zero_grad(set_to_none=set_to_none)
-        if self._use_decoupled_grad:
-            for group in self.param_groups:
-                for param in group["params"]:
-                    clear_grad(param, True, set_to_none)
+        params = (param for group in self.param_groups for param in group["params"])
+        clear_grads(params, self._use_decoupled_grad, set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader, then moments recast to the configured dtypes (torch casts to param's)."""
