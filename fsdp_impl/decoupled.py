@@ -21,11 +21,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-
-try:  # public since torch 2.5; the private path keeps older builds importable
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - old torch only
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "DECOUPLED_GRAD_ATTR",
@@ -127,7 +123,7 @@ def _te_fused_adam_type() -> type | None:
     if "transformer_engine" not in sys.modules:
         return None
     try:
-        from transformer_engine.pytorch.optimizers import FusedAdam  # type: ignore[import-not-found]
+        from transformer_engine.pytorch.optimizers import FusedAdam
     except ImportError:
         return None
     return FusedAdam

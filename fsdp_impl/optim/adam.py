@@ -102,10 +102,10 @@ class Adam(Optimizer):
             raise ValueError(f"use_decoupled_grad must be True or False, got {use_decoupled_grad!r}")
         _check_moment_dtype("exp_avg_dtype", exp_avg_dtype)
         _check_moment_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype)
-        betas = tuple(float(b.item()) if isinstance(b, torch.Tensor) else float(b) for b in betas)
+        beta1, beta2 = (float(b.item()) if isinstance(b, torch.Tensor) else float(b) for b in betas)
         defaults = {
             "lr": lr,
-            "betas": betas,
+            "betas": (beta1, beta2),
             "eps": eps,
             "weight_decay": weight_decay,
             "amsgrad": bool(amsgrad),
@@ -337,7 +337,7 @@ def _check_grad_matches(
             f" but param.{attr} is {'a DTensor' if isinstance(grad, DTensor) else 'a plain tensor'};"
             " both must be the same kind"
         )
-    if isinstance(param, DTensor) and tuple(param.placements) != tuple(grad.placements):
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and tuple(param.placements) != tuple(grad.placements):
         raise ValueError(
             f"parameter {index}: param.{attr} placements {tuple(grad.placements)} differ from the "
             f"parameter's {tuple(param.placements)}; gradients must be reduced/sharded like the "
