@@ -11,6 +11,9 @@ but that is the ordinary package mechanism, not a cycle, so parent packages get 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,3 +147,13 @@ def test_checker_sees_local_import_cycles(tmp_path: Path) -> None:
     assert graph["pkg.sub.b"] == {"pkg.a"}
     assert graph["pkg.d"] == {"pkg.c"} and graph["pkg.c"] == set()
     assert find_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.a"]
+
+
+def test_import_fsdp_impl_exposes_optim() -> None:
+    """In a fresh interpreter, ``import fsdp_impl`` alone gives ``fsdp_impl.optim.AdamW`` (the
+    way the optim docs use it), not only after some other code imported the subpackage."""
+    code = "import fsdp_impl; print(fsdp_impl.optim.AdamW.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "fsdp_impl.optim.adam"
