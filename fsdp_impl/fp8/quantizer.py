@@ -73,17 +73,23 @@ class DelayedQuantizer(Quantizer):
         owner.register_buffer(self.prefix + "scale", torch.ones((), device=device))
         owner.register_buffer(self.prefix + "amax_pending", torch.zeros((), device=device), persistent=False)
 
+    def _buffer(self, key: str) -> torch.Tensor:
+        buf = self.owner._buffers[self.prefix + key]
+        if buf is None:
+            raise RuntimeError(f"FP8 delayed-scaling buffer {self.prefix + key!r} was set to None")
+        return buf
+
     @property
     def history(self) -> torch.Tensor:
-        return self.owner._buffers[self.prefix + "amax_history"]
+        return self._buffer("amax_history")
 
     @property
     def scale(self) -> torch.Tensor:
-        return self.owner._buffers[self.prefix + "scale"]
+        return self._buffer("scale")
 
     @property
     def pending(self) -> torch.Tensor:
-        return self.owner._buffers[self.prefix + "amax_pending"]
+        return self._buffer("amax_pending")
 
     @torch.no_grad()
     def reset(self) -> None:

@@ -44,11 +44,15 @@ def _check_int(name: str, value: int, minimum: int) -> None:
 class Recipe:
     """Base of the torch-native recipes."""
 
-    fp8_format: Format
+    fp8_format: Format | str  # always a Format after __post_init__
     tensorwise = True  # one scale per tensor: the weight's transpose reuses its scale
 
     def _normalise_format(self) -> None:
         object.__setattr__(self, "fp8_format", Format.parse(self.fp8_format))
+
+    @property
+    def format(self) -> Format:
+        return Format.parse(self.fp8_format)
 
     def make_quantizers(self, module: nn.Module) -> LinearQuantizers:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -66,7 +70,7 @@ class CurrentScaling(Recipe):
         self._normalise_format()
 
     def make_quantizers(self, module: nn.Module) -> LinearQuantizers:
-        fmt = Format.parse(self.fp8_format)
+        fmt = self.format
         return LinearQuantizers(*(CurrentQuantizer(_role_dtype(fmt, r), None, self.power_of_2_scales)
                                   for r in ROLES))
 
@@ -88,7 +92,7 @@ class DelayedScaling(Recipe):
 
     def make_quantizers(self, module: nn.Module) -> LinearQuantizers:
         """Registers the history/scale buffers on ``module`` (see ``DelayedQuantizer``)."""
-        fmt = Format.parse(self.fp8_format)
+        fmt = self.format
         return LinearQuantizers(*(DelayedQuantizer(_role_dtype(fmt, r), module, r, history_len=self.amax_history_len,
                                                    algo=self.amax_compute_algo, margin=self.margin)
                                   for r in ROLES))
@@ -114,7 +118,7 @@ class BlockwiseScaling(Recipe):
         return (self.block_size, self.block_size)
 
     def make_quantizers(self, module: nn.Module) -> LinearQuantizers:
-        fmt = Format.parse(self.fp8_format)
+        fmt = self.format
         blocks = {"input": self.activation_block, "weight": self.weight_block, "grad_output": self.activation_block}
         return LinearQuantizers(*(CurrentQuantizer(_role_dtype(fmt, r), blocks[r], self.power_of_2_scales)
                                   for r in ROLES))
