@@ -74,6 +74,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         from_slot = slot.weight is not None
         wq = slot.weight if slot.weight is not None else quantizers.weight.quantize(weight.detach())
         y = fp8_gemm(xq, wq, x.dtype)
+        if from_slot and slot.keep_transpose and ctx.needs_input_grad[0]:
+            slot.transposed()  # built now and kept, so the backward needs no FP8 re-gather
         ctx.quantizers, ctx.tensorwise, ctx.from_slot, ctx.slot = quantizers, tensorwise, from_slot, slot
         ctx.x_shape, ctx.w_dtype, ctx.x_block, ctx.w_block = x.shape, weight.dtype, xq.block, wq.block
         x_for_wgrad = xq if tensorwise else quantizers.input.quantize(x2.t())
