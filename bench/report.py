@@ -116,9 +116,23 @@ def targets(cells: list[Cell]) -> list[tuple[str, str, str]]:
     return out
 
 
+LEGEND = ("tok/s/GPU: median over repetitions (min–max); ratios are of medians. peak: most allocated during the "
+          "timed steps; at rest: after the warm-up's last zero_grad; after build: before any step. Memory is GiB "
+          "above what was allocated before the build, max over ranks (peak: and over repetitions).")
+
+
+def header(rows: list[dict]) -> str:
+    meta = next((r for r in rows if r.get("kind") == "meta"), None)
+    if meta is None:
+        return "# Benchmark suite"
+    return (f"# Benchmark suite: world {meta['world']}, {meta['device']}, torch {meta['torch']}, "
+            f"{meta['steps']} timed steps after {meta['warmup']} warm-up, micro-batch {meta['micro_batch']}, "
+            f"{meta['date']}")
+
+
 def markdown(rows: list[dict]) -> str:
     cells = summarise(rows)
-    parts = [table(cells), "", "| size | target | verdict |", "| --- | --- | --- |"]
+    parts = [header(rows), "", table(cells), "", LEGEND, "", "| size | target | verdict |", "| --- | --- | --- |"]
     parts += [f"| {s} | {t} | {v} |" for s, t, v in targets(cells)]
     notes = [r for r in rows if r.get("kind") in ("skip", "error")]
     if notes:

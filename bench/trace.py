@@ -61,9 +61,11 @@ def write_report(out_dir: Path, header: str, traces: dict[str, Path], mems: list
     text = [header, "", trace_summary.markdown(steps) if any(steps.values()) else
             "No GPU events in the traces (CPU run).\n", memory.markdown(mems) if mems else ""]
     last = {n: split[-1][1] for n, t in loaded.items() if (split := trace_summary.split_steps(t))}
-    png = out_dir / "timeline.png"
-    if last and not trace_summary.timeline_png(last, png, title=header.lstrip("# ")):
-        text.append("timeline.png not drawn: matplotlib is not installed\n")
+    try:
+        if last and not trace_summary.timeline_png(last, out_dir / "timeline.png", title=header.lstrip("# ")):
+            text.append("timeline.png not drawn: matplotlib is not installed\n")
+    except Exception as err:  # a drawing problem must not cost the tables
+        text.append(f"timeline.png not drawn: {type(err).__name__}: {err}\n")
     md = "\n".join(text)
     (out_dir / "trace.md").write_text(md)
     return md

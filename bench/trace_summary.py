@@ -181,6 +181,7 @@ class StepSummary:
     name: str
     ms: dict[str, float] = field(default_factory=dict)
     labels: dict[str, tuple[int, float, float]] = field(default_factory=dict)  # name -> (count, host ms, gpu ms)
+    kernels: dict[str, tuple[int, float]] = field(default_factory=dict)  # short name -> (count, summed ms)
 
 
 class RangeSet:
@@ -235,7 +236,17 @@ def summarise_step(step: HostRange | None, events: list[GpuEvent], labels: list[
         gpu = union((e.start, e.end) for e in events
                     if e.launch is not None and inside.contains(e.launch, e.launch_tid))
         out.labels[key] = (len(rs), length(union((r.start, r.end) for r in rs)) / 1e3, length(gpu) / 1e3)
+    for e in events:
+        name = short_name(e.name)
+        count, total = out.kernels.get(name, (0, 0.0))
+        out.kernels[name] = (count + 1, total + (e.end - e.start) / 1e3)
     return out
+
+
+def short_name(name: str, width: int = 90) -> str:
+    """A kernel name without its argument list and template noise, cut to ``width``."""
+    base = name.split("(")[0].removeprefix("void ").strip() or name
+    return base if len(base) <= width else base[:width - 1] + "…"
 
 
 def summarise(trace: Trace, prefixes: Sequence[str] = DEFAULT_LABELS) -> list[StepSummary]:
@@ -243,15 +254,17 @@ def summarise(trace: Trace, prefixes: Sequence[str] = DEFAULT_LABELS) -> list[St
 
 
 def mean_step(steps: list[StepSummary]) -> StepSummary:
-    """Average of the steps' numbers (labels: mean count and times)."""
+    """Average of the steps' numbers (labels and kernels: mean count and times)."""
     n = len(steps)
     out = StepSummary(f"mean of {n}")
     for k in steps[0].ms:
         out.ms[k] = sum(s.ms[k] for s in steps) / n
-    keys = sorted({k for s in steps for k in s.labels})
-    for k in keys:
+    for k in sorted({k for s in steps for k in s.labels}):
         vals = [s.labels.get(k, (0, 0.0, 0.0)) for s in steps]
         out.labels[k] = (round(sum(v[0] for v in vals) / n), sum(v[1] for v in vals) / n, sum(v[2] for v in vals) / n)
+    for k in {k for s in steps for k in s.kernels}:
+        kv = [s.kernels.get(k, (0, 0.0)) for s in steps]
+        out.kernels[k] = (round(sum(v[0] for v in kv) / n), sum(v[1] for v in kv) / n)
     return out
 
 
@@ -264,7 +277,7 @@ ROWS = (("step", "step (GPU first start → last end)"), ("compute", "compute ke
         ("other_comm_exposed", "other NCCL exposed"), ("idle", "GPU idle (host gaps)"))
 
 
-def markdown(named: dict[str, list[StepSummary]]) -> str:
+def markdown(named: dict[str, list[StepSummary]], top_kernels: int = 12) -> str:
     """Side-by-side table (mean over the profiled steps) plus a label table per implementation."""
     names = [n for n, steps in named.items() if steps]
     means = {n: mean_step(named[n]) for n in names}
@@ -276,12 +289,19 @@ def markdown(named: dict[str, list[StepSummary]]) -> str:
             v, step = means[n].ms[key], means[n].ms["step"]
             cells.append(f"{v:.2f}" + (f" ({100 * v / step:.1f}%)" if key != "step" and step > 0 else ""))
         lines.append(f"| {text} | " + " | ".join(cells) + " |")
+    lines += ["", "Exposed: not covered by any compute kernel. The exposed times of different collectives can "
+              "overlap each other; 'NCCL exposed' counts each moment once."]
     for n in names:
         if not means[n].labels:
             continue
         lines += ["", f"Host ranges, {n} (per step: count, host ms, GPU ms of the kernels launched inside):", "",
                   "| label | count | host ms | GPU ms |", "| --- | ---: | ---: | ---: |"]
         lines += [f"| {k} | {c} | {h:.2f} | {g:.2f} |" for k, (c, h, g) in means[n].labels.items()]
+    for n in names:
+        top = sorted(means[n].kernels.items(), key=lambda kv: -kv[1][1])[:top_kernels]
+        lines += ["", f"Top GPU kernels, {n} (per step; summed durations, overlaps counted twice):", "",
+                  "| kernel | count | ms |", "| --- | ---: | ---: |"]
+        lines += [f"| `{k}` | {c} | {ms:.2f} |" for k, (c, ms) in top]
     lines += ["", "Steps profiled: " + "; ".join(f"{n}: {len(named[n])}" for n in named)]
     return "\n".join(lines) + "\n"
 
@@ -308,7 +328,7 @@ def timeline_png(named: dict[str, list[GpuEvent]], path: Path, title: str = "one
     span = max(max(e.end for e in v) - min(e.start for e in v) for _, v in items) / 1e3
     for ax, (name, evs) in zip(axes[:, 0], items, strict=True):
         t0 = min(e.start for e in evs)
-        streams = sorted({e.stream for e in evs})
+        streams = sorted({e.stream for e in evs}, key=lambda x: (not x.isdigit(), int(x) if x.isdigit() else 0, x))
         for row, s in enumerate(streams):
             for cls, colour in COLOURS.items():
                 bars = [((e.start - t0) / 1e3, max((e.end - e.start) / 1e3, 1e-4)) for e in evs

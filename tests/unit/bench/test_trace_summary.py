@@ -157,3 +157,36 @@ def test_interval_helpers() -> None:
     assert ts.union([(5, 6), (0, 2), (1, 3), (4, 4)]) == [(0, 3), (5, 6)]
     assert ts.overlap([(0, 10)], [(2, 3), (5, 20)]) == 6
     assert ts.exposed([(0, 10), (20, 30)], [(5, 25)]) == 10
+
+
+def test_top_kernels_per_step() -> None:
+    b = TraceBuilder()
+    one_step(b)
+    [step] = ts.summarise(ts.parse(b.doc()))
+    assert step.kernels["ampere_bf16_gemm"] == (2, pytest.approx(0.020))
+    assert ts.short_name("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int)") \
+        == "at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>"
+    text = ts.markdown({"ours": [step]})
+    assert "| `ampere_bf16_gemm` | 2 | 0.02 |" in text
+    assert ts.short_name("k" * 200) == "k" * 89 + "…"
+
+
+def test_write_report_from_gpu_like_traces(tmp_path) -> None:
+    """The rank-0 report path of bench/trace.py on GPU-shaped traces: side-by-side table, memory table."""
+    from bench import memory, trace
+
+    paths = {}
+    for name in ("ours-z3", "fsdp2"):
+        b = TraceBuilder()
+        one_step(b)
+        one_step(b, offset=100.0, host=100.0)
+        paths[name] = tmp_path / f"trace_{name}.json.gz"
+        with gzip.open(paths[name], "wt") as f:
+            json.dump(b.doc(), f)
+    mems = [memory.MemoryReport("ours-z3", numbers={"rest": 2**30}), memory.MemoryReport("fsdp2")]
+    md = trace.write_report(tmp_path, "# header", paths, mems)
+    assert (tmp_path / "trace.md").read_text() == md
+    assert "| ms per step | ours-z3 | fsdp2 |" in md
+    assert "| all-gather exposed | 0.01 (16.1%) | 0.01 (16.1%) |" in md
+    assert "Steps profiled: ours-z3: 2; fsdp2: 2" in md
+    assert "| at rest (after zero_grad) | 1.000 | – |" in md
