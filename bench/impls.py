@@ -82,6 +82,7 @@ class Trainee:
 @dataclass(frozen=True)
 class Impl:
     name: str
+    setup: str  # one line for the report
     build: Callable[[nn.Module, Env], tuple[nn.Module, torch.optim.Optimizer]]
     module_dtype: torch.dtype  # dtype the fresh module is cast to before wrapping
     autocast: bool
@@ -158,20 +159,27 @@ def _ceiling(module: nn.Module, env: Env):
     return module, _adamw(module.parameters())
 
 
+_FSDP_BF16 = "bf16 module, fp32 main params + grads (MixedPrecisionPolicy), units = blocks"
 IMPLS: dict[str, Impl] = {i.name: i for i in (
-    Impl("ours-z3", functools.partial(_ours, "optim_grads_params", False), torch.bfloat16, False,
+    Impl("ours-z3", f"fsdp_impl ZeRO-3 (optim_grads_params), {_FSDP_BF16}",
+         functools.partial(_ours, "optim_grads_params", False), torch.bfloat16, False,
          persistent_bytes=lambda w: 16.0 / w),
-    Impl("ours-z2", functools.partial(_ours, "optim_grads", False), torch.bfloat16, False,
+    Impl("ours-z2", f"fsdp_impl ZeRO-2 (optim_grads), {_FSDP_BF16}",
+         functools.partial(_ours, "optim_grads", False), torch.bfloat16, False,
          persistent_bytes=lambda w: 12.0 / w + 4.0),  # bf16 compute params + grads stay full size
-    Impl("ours-hsdp", functools.partial(_ours, "optim_grads_params", True), torch.bfloat16, False,
+    Impl("ours-hsdp", f"fsdp_impl HSDP mesh (dp_outer=world, dp_shard=1), outer no_shard, inner ZeRO-3, {_FSDP_BF16}",
+         functools.partial(_ours, "optim_grads_params", True), torch.bfloat16, False,
          min_world=2, persistent_bytes=lambda w: 16.0),
-    Impl("megatron-fsdp", _megatron, torch.bfloat16, False, needs_module="megatron_fsdp",
-         persistent_bytes=lambda w: 16.0 / w),
-    Impl("fsdp2", functools.partial(_fsdp2, True), torch.float32, False, persistent_bytes=lambda w: 16.0 / w),
-    Impl("fsdp2-noreshard", functools.partial(_fsdp2, False), torch.float32, False,
-         persistent_bytes=lambda w: 16.0 / w + 2.0),
-    Impl("ddp", _ddp, torch.float32, True, min_world=1, persistent_bytes=lambda w: 16.0),
-    Impl("ceiling", _ceiling, torch.float32, True, persistent_bytes=lambda w: 16.0),
+    Impl("megatron-fsdp", f"megatron_fsdp.fully_shard ZeRO-3, {_FSDP_BF16}", _megatron, torch.bfloat16, False,
+         needs_module="megatron_fsdp", persistent_bytes=lambda w: 16.0 / w),
+    Impl("fsdp2", "torch fully_shard per block + root, fp32 module, param bf16 / reduce fp32, reshard after forward",
+         functools.partial(_fsdp2, True), torch.float32, False, persistent_bytes=lambda w: 16.0 / w),
+    Impl("fsdp2-noreshard", "as fsdp2 with reshard_after_forward=False",
+         functools.partial(_fsdp2, False), torch.float32, False, persistent_bytes=lambda w: 16.0 / w + 2.0),
+    Impl("ddp", "DistributedDataParallel, fp32 module under torch.autocast(bf16) (norms, softmax in fp32), "
+         "fp32 all-reduce", _ddp, torch.float32, True, persistent_bytes=lambda w: 16.0),
+    Impl("ceiling", "fp32 module under torch.autocast(bf16), no data parallelism (each GPU trains its own copy)",
+         _ceiling, torch.float32, True, persistent_bytes=lambda w: 16.0),
 )}
 DEFAULT_IMPLS = tuple(IMPLS)
 
@@ -219,6 +227,6 @@ def build(name: str, cfg: GPTConfig, env: Env, micro_batch: int, data_seed: int 
     return Trainee(model, opt, tokens[:, :-1], tokens[:, 1:], cfg.vocab, impl.autocast)
 
 
-def describe() -> str:
-    """The module docstring's list, for the report header."""
-    return __doc__ or ""
+def setups(names: list[str]) -> dict[str, str]:
+    """One line per implementation, for the report (all: AdamW lr 1e-4, same init and data)."""
+    return {n: IMPLS[n].setup for n in names}

@@ -145,7 +145,8 @@ def markdown(reports: list[MemoryReport]) -> str:
     names = [r.impl for r in reports]
     head = ["| GiB (rank 0) | " + " | ".join(names) + " |", "|" + " --- |" * (len(names) + 1)]
     lines = ["Memory of one step after warm-up (GiB allocated on rank 0, everything counted).", "", *head]
-    numbers = (("rest", "at rest (after zero_grad)"), ("end_of_backward", "at the end of backward"),
+    numbers = (("after_build", "after build (no optimizer state yet)"), ("rest", "at rest (after zero_grad)"),
+               ("end_of_backward", "at the end of backward"),
                ("peak", "peak (max_memory_allocated)"),
                ("peak_replay", "peak (allocator history replay, requested sizes)"))
     for key, text in numbers:
@@ -155,6 +156,9 @@ def markdown(reports: list[MemoryReport]) -> str:
     for cat, dtype in keys:
         lines.append(f"| tensors: {cat} ({dtype}) | " + " | ".join(
             _gib(r.storages[(cat, dtype)]) if (cat, dtype) in r.storages else "–" for r in reports) + " |")
+    lines.append("| end of backward − tensors above (held elsewhere: unsharded params, engine buffers) | " + " | ".join(
+        _gib(r.numbers["end_of_backward"] - sum(r.storages.values())) if "end_of_backward" in r.numbers else "–"
+        for r in reports) + " |")
     cats = list(dict.fromkeys(k for r in reports for k in r.transient))
     for cat in cats:
         lines.append(f"| at peak, allocated in the step: {cat} | " + " | ".join(

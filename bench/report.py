@@ -130,9 +130,16 @@ def header(rows: list[dict]) -> str:
             f"{meta['date']}")
 
 
+def _setups(rows: list[dict]) -> list[str]:
+    meta = next((r for r in rows if r.get("kind") == "meta"), {})
+    lines = [f"- `{name}`: {text}" for name, text in meta.get("setups", {}).items()]
+    return ["", "All: AdamW (lr 1e-4), same init (seed 0) and per-rank tokens, bf16 compute.", *lines] if lines else []
+
+
 def markdown(rows: list[dict]) -> str:
     cells = summarise(rows)
-    parts = [header(rows), "", table(cells), "", LEGEND, "", "| size | target | verdict |", "| --- | --- | --- |"]
+    parts = [header(rows), "", table(cells), "", LEGEND, *_setups(rows), "",
+             "| size | target | verdict |", "| --- | --- | --- |"]
     parts += [f"| {s} | {t} | {v} |" for s, t, v in targets(cells)]
     notes = [r for r in rows if r.get("kind") in ("skip", "error")]
     if notes:

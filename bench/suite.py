@@ -229,7 +229,7 @@ def meta_row(env: Env, args: argparse.Namespace) -> dict:
 
     return {"kind": "meta", "world": env.world, "device": runtime.device_name(env), "torch": torch.__version__,
             "sizes": args.sizes, "impls": args.impls, "reps": args.reps, "steps": args.steps,
-            "warmup": args.warmup, "micro_batch": args.micro_batch, "setup": impls.describe().strip(),
+            "warmup": args.warmup, "micro_batch": args.micro_batch, "setups": impls.setups(args.impls),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

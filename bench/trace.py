@@ -44,9 +44,12 @@ def profile(env: Env, trainee: impls.Trainee, path: Path | None, steps: int) -> 
 def _one(env: Env, name: str, size: str, micro_batch: int, warmup: int, steps: int,
          out_dir: Path) -> tuple[memory.MemoryReport, Path | None]:
     trainee = impls.build(name, impls.SIZES[size], env, micro_batch)
+    runtime.sync(env)
+    after_build = runtime.allocated(env)
     for _ in range(warmup):
         trainee.step()
     mem = memory.measure(name, trainee, env)
+    mem.numbers["after_build"] = after_build
     path = out_dir / f"trace_{name}.json.gz" if env.rank == 0 else None
     profile(env, trainee, path, steps)
     del trainee

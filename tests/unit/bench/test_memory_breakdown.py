@@ -91,10 +91,12 @@ def test_storages_count_each_flat_buffer_once_with_padding() -> None:
 
 
 def test_markdown_lists_every_category() -> None:
-    a = mem.MemoryReport("ours-z3", {("params", "float32"): 2**30}, {"rest": 2**31, "peak": 3 * 2**30},
+    a = mem.MemoryReport("ours-z3", {("params", "float32"): 2**30},
+                         {"rest": 2**31, "peak": 3 * 2**30, "end_of_backward": 2**31 + 2**29},
                          {mem.GATHERED: 2**29}, [("unit.py:unshard", 2**29)], 0, ["a note"])
     b = mem.MemoryReport("fsdp2", {("params", "float32"): 2**30}, {"rest": 2**31})
     text = mem.markdown([a, b])
     assert "| peak (max_memory_allocated) | 3.000 | – |" in text
     assert f"| at peak, allocated in the step: {mem.GATHERED} | 0.500 | – |" in text
     assert "- ours-z3: a note" in text
+    assert "| end of backward − tensors above (held elsewhere: unsharded params, engine buffers) | 1.500 | – |" in text
