@@ -45,7 +45,7 @@ def main() -> int:
                        device=device, backend=backend, store_port=port)
     state = RankState(env=dist_env, session_shared_dir=pathlib.Path(env[protocol.ENV_SESSION_SHARED]))
     session = RankSession(store, state)
-    args = protocol.decode(env[protocol.ENV_PYTEST_ARGS].encode())
+    args = protocol.decode(env[protocol.ENV_PYTEST_ARGS])
     code = pytest.main(args, plugins=[session])
     sys.stdout.flush()
     sys.stderr.flush()

@@ -109,9 +109,7 @@ def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: objec
             except spec.HarnessUsageError as exc:
                 raise collector.CollectError(f"fsdp_harness: {exc}") from None
             if dist is not None:
-                from harness.controller import SPEC_KEY
-
-                item.stash[SPEC_KEY] = dist
+                item.stash[spec.SPEC_KEY] = dist
     return result
 
 

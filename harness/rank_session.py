@@ -42,7 +42,7 @@ class RankSession:
         items = {item.nodeid: item for item in session.items}
         seq = 0
         while True:
-            cmd = protocol.decode(self.store.get(protocol.key_cmd(seq)))
+            cmd = protocol.get(self.store, protocol.key_cmd(seq))
             if cmd["op"] == "stop":
                 break
             self._run_one(items, cmd, seq)
@@ -71,6 +71,6 @@ class RankSession:
         payload["t"] = time.time()
         sys.stdout.flush()
         sys.stderr.flush()
-        self.store.set(protocol.key_res(seq, self.rank), protocol.encode(payload))
+        protocol.put(self.store, protocol.key_res(seq, self.rank), payload)
         if self.store.add(protocol.key_done(seq), 1) == self.world_size:
-            self.store.set(protocol.key_all(seq), b"1")
+            self.store.set(protocol.key_all(seq), "1")

@@ -19,6 +19,10 @@ REQUIRES_MODULE = "requires_module"
 # pytest session (pytester, xdist worker identity), so a rank process would get a meaningless copy.
 CONTROLLER_ONLY_FIXTURES = ("pytester", "testdir", "worker_id", "testrun_uid")
 
+# Per-test timeout and the extra start-up allowance of a bucket's first test, per backend, in seconds.
+DEFAULT_TIMEOUT_S = {"gloo": 120.0, "nccl": 300.0}
+DEFAULT_STARTUP_S = {"gloo": 120.0, "nccl": 300.0}
+
 _ARCH_RE = re.compile(r"^sm_?(\d)(\d+)a?$")
 
 
@@ -33,6 +37,10 @@ class DistSpec:
     world_size: int
     bucket: str | None
     timeout: float | None
+
+
+SPEC_KEY = pytest.StashKey[DistSpec]()
+"""Where the plugin stores a distributed item's DistSpec (``item.stash``); absent on other items."""
 
 
 def _parse_distributed_args(mark: pytest.Mark, nodeid: str) -> DistSpec:
@@ -109,3 +117,17 @@ def validate_item(item: pytest.Item, forbidden_fixtures: tuple[str, ...]) -> Dis
                 f"(controller-only fixtures: {sorted(forbidden_fixtures)})"
             )
     return spec
+
+
+def resolve_timeout(config: pytest.Config, spec: DistSpec, backend: str) -> float:
+    """Seconds one distributed test may run: the marker's ``timeout=``, else ``--harness-timeout``,
+    else ini ``harness_timeout``, else the backend's default."""
+    if spec.timeout is not None:
+        return spec.timeout
+    opt = config.getoption("harness_timeout") or config.getini("harness_timeout")
+    return float(opt) if opt else DEFAULT_TIMEOUT_S[backend]
+
+
+def resolve_startup_timeout(config: pytest.Config, backend: str) -> float:
+    """Extra seconds for a bucket's first test (rank start-up): ``--harness-startup-timeout``, else the default."""
+    return float(config.getoption("harness_startup_timeout") or DEFAULT_STARTUP_S[backend])
