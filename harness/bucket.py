@@ -36,6 +36,11 @@ class BucketSetup:
     harness_path: pathlib.Path
 
 
+def _path_entries(value: str) -> list[str]:
+    """The non-empty entries of a PATH-like variable."""
+    return [p for p in value.split(os.pathsep) if p]
+
+
 class Bucket:
     """Owns the store and rank processes of one bucket from start to teardown."""
 
@@ -54,6 +59,7 @@ class Bucket:
 
     def _rank_env(self, rank: int) -> dict[str, str]:
         s = self.setup
+        rank_args = [*s.pytest_args, "--basetemp", str(s.workdir / f"rank{rank}-tmp")]
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PYTEST_XDIST_", "PYTEST_ADDOPTS", "PYTEST_CURRENT_TEST", "TORCHELASTIC_"))}
         env.update({
@@ -65,11 +71,11 @@ class Bucket:
             protocol.ENV_FAULT_FILE: str(s.workdir / f"rank{rank}.fault"),
             protocol.ENV_SESSION_SHARED: str(s.session_shared_dir),
             protocol.ENV_CONTROLLER_PID: str(os.getpid()),
-            protocol.ENV_PYTEST_ARGS: protocol.encode(list(s.pytest_args) + ["--basetemp", str(s.workdir / f"rank{rank}-tmp")]),
+            protocol.ENV_PYTEST_ARGS: protocol.encode(rank_args),
             protocol.ENV_BUCKET: s.label,
             "RANK": str(rank), "WORLD_SIZE": str(s.world_size), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(s.world_size), "GROUP_RANK": "0", "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join([str(s.harness_path)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]),
+            "PYTHONPATH": os.pathsep.join([str(s.harness_path), *_path_entries(env.get("PYTHONPATH", ""))]),
         })
         for k in ("MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
@@ -134,7 +140,8 @@ class Bucket:
             sections.append((f"rank {p.rank} stack at timeout", p.fault_text(before[p.rank]).strip() or "(no dump)"))
             sections.append((f"rank {p.rank} last output lines", p.log_tail()))
         extra = " (including the bucket start-up allowance)" if first else ""
-        return Fault("timeout", f"test exceeded its timeout of {budget:g} s{extra}; stacks of every rank follow", None, sections)
+        summary = f"test exceeded its timeout of {budget:g} s{extra}; stacks of every rank follow"
+        return Fault("timeout", summary, None, sections)
 
     def close(self, graceful: bool) -> None:
         """Stop the ranks (politely when ``graceful``) and reap them; idempotent."""

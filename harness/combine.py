@@ -198,5 +198,6 @@ class ReportBuilder:
             blocks.append(f"{'-' * 10} {title} {'-' * 10}\n{text}")
         dur = self.outcome.duration
         setup = self._report("setup", "passed", None, [], 0.0, props)
-        call = self._report("call", "failed", RankFailureRepr(self.path, self.lineno, message, "\n".join(blocks)), [], dur, props)
+        longrepr = RankFailureRepr(self.path, self.lineno, message, "\n".join(blocks))
+        call = self._report("call", "failed", longrepr, [], dur, props)
         return [setup, call, self._report("teardown", "passed", None, [], 0.0, props)]

@@ -77,7 +77,8 @@ class Controller:
 
     # ----- collection ---------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
+                                      items: list[pytest.Item]) -> None:
         for item in items:
             spec = item.stash.get(SPEC_KEY, None)
             missing = backend_mod.missing_requirements(item, config, spec.world_size if spec else None)
@@ -198,7 +199,8 @@ class Controller:
     def _rank_args(self, key: BucketKey) -> list[str]:
         items = [i for i in self.config.stash.get(ITEMS_KEY, []) if i.stash.get(BUCKET_KEY, None) == key]
         paths = list(dict.fromkeys(str(i.path) for i in items))
-        args = paths + ["-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:faulthandler", "-o", "addopts=", "--capture=tee-sys",
+        args = paths + ["-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:faulthandler", "-o", "addopts=",
+                        "--capture=tee-sys",
                         "--continue-on-collection-errors", "-q", "--rootdir", str(self.config.rootpath),
                         f"--import-mode={self.config.option.importmode}"]
         if self.config.inipath is not None:

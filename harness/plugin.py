@@ -49,7 +49,8 @@ def run_mode() -> str:
     """``rank`` inside a spawned rank, ``torchrun`` under torchrun, else ``controller``."""
     if os.environ.get(protocol.ENV_RANK_PROCESS) == "1":
         return "rank"
-    if os.environ.get("TORCHELASTIC_RUN_ID") or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")):
+    torchrun_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    if os.environ.get("TORCHELASTIC_RUN_ID") or all(k in os.environ for k in torchrun_vars):
         return "torchrun"
     return "controller"
 

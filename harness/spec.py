@@ -63,10 +63,12 @@ def _parse_distributed_args(mark: pytest.Mark, nodeid: str) -> DistSpec:
         raise HarnessUsageError(f"{nodeid}: distributed(world_size={ws!r}) is invalid; world_size must be an int >= 1")
     bucket = kwargs.get("bucket")
     if bucket is not None and (not isinstance(bucket, str) or not bucket):
-        raise HarnessUsageError(f"{nodeid}: distributed(bucket={bucket!r}) is invalid; bucket must be a non-empty str or None")
+        raise HarnessUsageError(
+            f"{nodeid}: distributed(bucket={bucket!r}) is invalid; bucket must be a non-empty str or None")
     timeout = kwargs.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise HarnessUsageError(f"{nodeid}: distributed(timeout={timeout!r}) is invalid; timeout must be a number > 0 or None")
+        raise HarnessUsageError(
+            f"{nodeid}: distributed(timeout={timeout!r}) is invalid; timeout must be a number > 0 or None")
     return DistSpec(world_size=ws, bucket=bucket, timeout=None if timeout is None else float(timeout))
 
 
@@ -84,7 +86,8 @@ def distributed_spec(item: pytest.Item) -> DistSpec | None:
         raise HarnessUsageError(f"{item.nodeid}: conflicting distributed markers on the same test: {own}")
     if item.get_closest_marker("forked") is not None:
         raise HarnessUsageError(
-            f"{item.nodeid}: markers 'distributed' and 'forked' conflict; a distributed test already runs in its own processes"
+            f"{item.nodeid}: markers 'distributed' and 'forked' conflict; "
+            "a distributed test already runs in its own processes"
         )
     return specs[0]
 
@@ -93,7 +96,8 @@ def parse_gpu_arch(arch: object, nodeid: str) -> tuple[int, int]:
     """``"sm90"`` / ``"sm_90"`` / ``"sm100a"`` -> (major, minor) compute capability."""
     m = _ARCH_RE.match(arch) if isinstance(arch, str) else None
     if not m:
-        raise HarnessUsageError(f"{nodeid}: requires_gpu_arch({arch!r}) is invalid; expected a string like 'sm80', 'sm90', 'sm100'")
+        raise HarnessUsageError(
+            f"{nodeid}: requires_gpu_arch({arch!r}) is invalid; expected a string like 'sm80', 'sm90', 'sm100'")
     digits = m.group(1) + m.group(2)
     return int(digits[:-1]), int(digits[-1])
 

@@ -12,10 +12,9 @@ def features_run(tmp_path_factory) -> SampleRun:
 
 
 def test_fixture_and_param_cases_pass(features_run: SampleRun):
-    expected_pass = [n for n in features_run.cases if n.startswith(("test_shared", "test_module", "test_parametrized",
-                                                                   "test_env", "test_monkeypatch", "test_session_shared",
-                                                                   "test_plain", "test_has_json",
-                                                                   "test_forked_ok", "test_distributed_after_forked"))]
+    prefixes = ("test_shared", "test_module", "test_parametrized", "test_env", "test_monkeypatch",
+                "test_session_shared", "test_plain", "test_has_json", "test_forked_ok", "test_distributed_after_forked")
+    expected_pass = [n for n in features_run.cases if n.startswith(prefixes)]
     assert len(expected_pass) == 21, expected_pass  # 9 parametrised + 12 others
     bad = {n: features_run.cases[n].text[:1500] for n in expected_pass if features_run.cases[n].outcome != "passed"}
     assert bad == {}
