@@ -23,7 +23,8 @@ MARKERS = (
     "requires_cuda: skip unless CUDA GPUs are visible and the CPU backend is not forced",
     "requires_gpu_arch(arch): skip unless every visible GPU has at least this compute capability ('sm90' = 9.0)",
     "requires_module(name, ...): skip unless the named Python module(s) can be imported",
-    "slow: long-running case; the L0/L1 tiers deselect it with -m 'not slow'",
+    "slow: long-running case (over about a minute on 2 CPU cores) that the quick tiers L0 and L1 deselect "
+    "with -m 'not slow'",
 )
 
 

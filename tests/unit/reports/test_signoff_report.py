@@ -243,7 +243,7 @@ def test_toml_required_list(tmp_path) -> None:
         signoff.parse_required_regressions(toml)
 
 
-def test_known_bugs_file_lists_the_two_seed_bugs() -> None:
+def test_known_bugs_file_lists_the_two_decoupled_grad_bugs() -> None:
     required = signoff.parse_required_regressions(KNOWN_BUGS)
     assert set(required) == {"decoupled-grad-none-segfault",
                              "decoupled-grad-flag-mismatch-silent-no-op"}
