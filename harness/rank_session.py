@@ -9,18 +9,21 @@ from __future__ import annotations
 import pathlib
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from harness import protocol
 from harness.context import RANK_STATE_KEY, RankState
 
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
 
 class RankSession:
     """Registered in each rank's pytest session; owns the command loop."""
 
-    def __init__(self, store: Any, state: RankState) -> None:
+    def __init__(self, store: Store, state: RankState) -> None:
         self.store = store
         self.state = state
         self.rank = state.env.rank
