@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import pytest
-from harness_selftest import SampleRun, run_samples
+from harness_selftest import SampleRun, run_samples, run_samples_once
 
 
-@pytest.fixture(scope="module")
-def features_run(tmp_path_factory) -> SampleRun:
-    return run_samples(tmp_path_factory.mktemp("features"), "sample_fixtures.py", "sample_requirements.py",
-                       "sample_forked.py")
+@pytest.fixture(scope="session")
+def features_run(tmp_path_factory: pytest.TempPathFactory) -> SampleRun:
+    return run_samples_once(tmp_path_factory, "features", "sample_fixtures.py", "sample_requirements.py",
+                            "sample_forked.py")
 
 
 def test_fixture_and_param_cases_pass(features_run: SampleRun):
