@@ -57,9 +57,20 @@ def main() -> int:
     return int(code)
 
 
-if __name__ == "__main__":
-    _real_exit = os._exit  # main() wraps os._exit for forensics; a normal end must not dump a stack
-    _rc = main()
+def _end() -> None:
+    """Nothing the tests started outlives the rank (it is their subreaper, see ``harness.proc_tree``)."""
+    from harness import proc_tree
+
+    proc_tree.kill_tree(os.getpid(), include_root=False)
+    proc_tree.reap_children()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    _real_exit = os._exit  # main() wraps os._exit for forensics; a normal end must not dump a stack
+    try:
+        _rc = main()
+    finally:
+        _end()
     _real_exit(0 if _rc in (0, 5) else _rc)

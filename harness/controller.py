@@ -8,12 +8,15 @@ import atexit
 import dataclasses
 import pathlib
 import re
+import signal
+import threading
 from typing import Any
 
 import pytest
 
 from harness import backend as backend_mod
 from harness import gpu_lease
+from harness import procs as procs_mod
 from harness.bucket import Bucket, BucketSetup, TestOutcome
 from harness.combine import ReportBuilder
 from harness.spec import SPEC_KEY, DistSpec, resolve_startup_timeout, resolve_timeout
@@ -74,6 +77,7 @@ class Controller:
         self._root: pathlib.Path | None = None
         self._item_index: dict[int, int] | None = None  # id(item) -> position in session.items
         atexit.register(self.shutdown)
+        self._previous_sigterm = _interrupt_on_sigterm()
 
     # ----- collection ---------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
@@ -168,6 +172,7 @@ class Controller:
         return None
 
     def _start(self, key: BucketKey) -> None:
+        procs_mod.adopt_orphans()
         placement, lease = self._place(key.world_size)
         self.bucket_count += 1
         setup = BucketSetup(
@@ -244,6 +249,23 @@ class Controller:
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.shutdown()
         atexit.unregister(self.shutdown)
+        if self._previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+
+
+def _interrupt_on_sigterm() -> Any:
+    """SIGTERM (CI cancellation, ``timeout``) ends the session like Ctrl-C: pytest reports what ran,
+    writes JUnit and the buckets are reaped. Only where nobody else handles SIGTERM; returns the
+    handler to restore, or None when nothing was changed."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    return signal.SIG_DFL
 
 
 ITEMS_KEY = pytest.StashKey[list]()

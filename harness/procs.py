@@ -1,7 +1,9 @@
 """Rank process bookkeeping on the controller side: start, describe an exit, dump stacks, reap.
 
-Each rank runs in its own session (process group), so killing the group also kills anything the test
-spawned. Nothing here knows about pytest.
+Each rank runs in its own session (process group) and is a child subreaper, so its process tree holds
+everything its tests started, even what left the group with ``setsid``; reaping kills that tree. The
+controller is a subreaper too (``adopt_orphans``): what a rank that died abruptly left behind becomes
+the controller's child and is killed when the bucket is reaped. Nothing here knows about pytest.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+
+from harness import proc_tree
 
 TAIL_LINES = 40
 _TAIL_BYTES = 16384
@@ -25,6 +29,7 @@ class RankProcess:
     popen: subprocess.Popen
     log_path: pathlib.Path
     fault_path: pathlib.Path
+    start_ticks: int | None = None
 
     @property
     def pid(self) -> int:
@@ -90,7 +95,18 @@ def start_rank(rank: int, workdir: pathlib.Path, cwd: pathlib.Path, env: dict[st
             [sys.executable, "-m", "harness._rank_main"], cwd=str(cwd), env=env,
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-    return RankProcess(rank=rank, popen=popen, log_path=log_path, fault_path=fault_path)
+    return RankProcess(rank=rank, popen=popen, log_path=log_path, fault_path=fault_path,
+                       start_ticks=proc_tree.start_ticks(popen.pid))
+
+
+def adopt_orphans() -> None:
+    """Make the controller a subreaper (once per process), so a dead rank's orphans come to it."""
+    global _ADOPTING
+    if not _ADOPTING:
+        _ADOPTING = proc_tree.become_subreaper()
+
+
+_ADOPTING = False
 
 
 def dump_stacks(procs: list[RankProcess], dump_signal: int, settle_s: float = 2.0) -> dict[int, int]:
@@ -117,7 +133,8 @@ def dump_stacks(procs: list[RankProcess], dump_signal: int, settle_s: float = 2.
 
 
 def reap(procs: list[RankProcess], graceful_s: float) -> None:
-    """Wait up to ``graceful_s`` for a clean exit, then SIGKILL each rank's process group and reap."""
+    """Wait up to ``graceful_s`` for a clean exit, then SIGKILL each rank's process tree and group,
+    reap, and kill what ranks that died abruptly left behind (adopted by the controller)."""
     deadline = time.monotonic() + graceful_s
     for p in procs:
         remaining = deadline - time.monotonic()
@@ -127,12 +144,36 @@ def reap(procs: list[RankProcess], graceful_s: float) -> None:
             except subprocess.TimeoutExpired:
                 pass
     for p in procs:
+        if p.alive():
+            proc_tree.kill_tree(p.pid, include_root=True)
         p.signal_group(signal.SIGKILL)
     for p in procs:
         try:
             p.popen.wait(timeout=30)
         except subprocess.TimeoutExpired:  # pragma: no cover - a D-state process; nothing more we can do
             pass
+    _kill_adopted(procs)
+
+
+def _kill_adopted(procs: list[RankProcess]) -> None:
+    """Kill the controller's children that appeared since the ranks started and are not ranks."""
+    starts = [p.start_ticks for p in procs if p.start_ticks is not None]
+    if not _ADOPTING or not starts:
+        return
+    adopted = proc_tree.adopted_children(min(starts), exclude={p.pid for p in procs})
+    for pid in adopted:
+        proc_tree.kill_tree(pid, include_root=True)
+    deadline = time.monotonic() + 10
+    while adopted and time.monotonic() < deadline:
+        adopted = [pid for pid in adopted if not _reaped(pid)]
+        time.sleep(0.01)
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return True
 
 
 def gpu_env(gpu_id: int) -> str:

@@ -1,7 +1,9 @@
-"""Rank-side crash forensics: faulthandler, an ``os._exit`` wrapper and an orphan watchdog.
+"""Rank-side crash forensics and hygiene: faulthandler, an ``os._exit`` wrapper, an orphan watchdog.
 
 Everything here writes to the rank's fault file (not stderr, which pytest's capture may redirect),
-so the controller can show the Python stack of a rank that died or hung.
+so the controller can show the Python stack of a rank that died or hung. The rank is a child
+subreaper (``harness.proc_tree``), and every way out of it that runs Python code kills what its tests
+started first.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import IO, NoReturn
+
+from harness import proc_tree
 
 DUMP_SIGNAL = signal.SIGUSR1
 
@@ -32,12 +36,13 @@ class ExitInterceptor:
             self.fault_file.flush()
             sys.stdout.flush()
             sys.stderr.flush()
+            proc_tree.kill_tree(os.getpid(), include_root=False)
         finally:
             self.real_exit(code)
 
 
 class OrphanWatchdog:
-    """Kills this rank if its controller disappears (e.g. the controller was SIGKILLed).
+    """Kills this rank and everything its tests started if its controller disappears (SIGKILL, SIGTERM).
 
     Polls the parent pid from a daemon thread; cheap and independent of whatever the main thread is
     blocked in (a collective, a sleep).
@@ -55,12 +60,14 @@ class OrphanWatchdog:
     def _run(self) -> None:
         while True:
             if os.getppid() != self.controller_pid:
+                proc_tree.kill_tree(os.getpid(), include_root=False)
                 self.real_exit(70)
             time.sleep(self.interval_s)
 
 
 def install(fault_path: str, controller_pid: int) -> IO[str]:
-    """Enable faulthandler for fatal signals and SIGUSR1 (all threads) and wrap ``os._exit``."""
+    """Enable faulthandler for fatal signals and SIGUSR1 (all threads), wrap ``os._exit``, adopt orphans."""
+    proc_tree.become_subreaper()
     fault_file = open(fault_path, "a", buffering=1)
     faulthandler.enable(file=fault_file, all_threads=True)
     faulthandler.register(DUMP_SIGNAL, file=fault_file, all_threads=True, chain=False)
