@@ -73,6 +73,7 @@ class Bucket:
             protocol.ENV_CONTROLLER_PID: str(os.getpid()),
             protocol.ENV_PYTEST_ARGS: protocol.encode(rank_args),
             protocol.ENV_BUCKET: s.label,
+            protocol.ENV_SPILL_DIR: str(s.workdir / f"rank{rank}-output"),
             "RANK": str(rank), "WORLD_SIZE": str(s.world_size), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(s.world_size), "GROUP_RANK": "0", "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": os.pathsep.join([str(s.harness_path), *_path_entries(env.get("PYTHONPATH", ""))]),

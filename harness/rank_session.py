@@ -6,6 +6,7 @@ commands from the controller's TCPStore and posts each test's serialised reports
 """
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 import time
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from harness import payload as payload_mod
 from harness import protocol
 from harness.context import RANK_STATE_KEY, RankState
 
@@ -30,6 +32,7 @@ class RankSession:
         self.world_size = state.env.world_size
         self.reports: list[pytest.TestReport] | None = None
         self.config: pytest.Config | None = None
+        self.spill_dir = pathlib.Path(os.environ.get(protocol.ENV_SPILL_DIR, f"harness-rank{self.rank}-output"))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_configure(self, config: pytest.Config) -> None:
@@ -69,11 +72,14 @@ class RankSession:
                 item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
             finally:
                 reports, self.reports = self.reports, None
-            hook = self.config.hook
-            payload["reports"] = [hook.pytest_report_to_serializable(config=self.config, report=r) for r in reports]
+            spiller = payload_mod.Spiller(self.spill_dir, f"{seq:05d}-{item.name}")
+            payload["reports"] = payload_mod.serialize_reports(self.config, reports, spiller)
         payload["t"] = time.time()
         sys.stdout.flush()
         sys.stderr.flush()
+        payload = payload_mod.fit(payload, lambda size: (
+            f"rank {self.rank}: the reports of {nodeid} are {size} bytes even with captured output spilled to "
+            f"{self.spill_dir}; the store holds at most {payload_mod.PAYLOAD_LIMIT} (record_property values?)"))
         protocol.put(self.store, protocol.key_res(seq, self.rank), payload)
         if self.store.add(protocol.key_done(seq), 1) == self.world_size:
             self.store.set(protocol.key_all(seq), "1")
