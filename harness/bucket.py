@@ -50,6 +50,7 @@ class Bucket:
         self.setup = setup
         self.seq = 0
         self.alive = True
+        self.ready = False
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=60))
         self.port = int(self.store.port)
@@ -85,12 +86,20 @@ class Bucket:
         return env
 
     def run_test(self, nodeid: str, next_nodeid: str | None, shared_tmp: pathlib.Path, timeout_s: float) -> TestOutcome:
-        """Run one test on every rank and wait for all answers or a fault."""
-        seq = self.seq
-        self.seq += 1
-        budget = timeout_s + (self.setup.startup_s if seq == 0 else 0.0)
+        """Run one test on every rank and wait for all answers or a fault.
+
+        The test's timeout counts from the command; the ranks' start-up has its own allowance
+        (``startup_s``), measured until every rank reported ready.
+        """
         offsets = {p.rank: p.fault_size() for p in self.ranks}
         start = time.monotonic()
+        if not self.ready:
+            fault = self._wait_ready(offsets)
+            if fault is not None:
+                return TestOutcome({}, fault, time.monotonic() - start)
+            start = time.monotonic()
+        seq = self.seq
+        self.seq += 1
         protocol.put(self.store, protocol.key_cmd(seq),
                      {"op": "run", "nodeid": nodeid, "next": next_nodeid, "shared_tmp": str(shared_tmp)})
 
@@ -99,16 +108,33 @@ class Bucket:
             protocol.collect_answers(self.store, seq, range(self.setup.world_size), payloads)
             return answered
 
-        res = wait_for_answers(collect, start, budget, self.setup.grace_s,
-                               stopped=lambda: any(not p.alive() for p in self.ranks))
+        res = wait_for_answers(collect, start, timeout_s, self.setup.grace_s, stopped=self._any_dead)
         if res.end == "stopped":  # the report's duration includes collecting the dead ranks' stacks
             return TestOutcome(res.payloads, self._died(offsets), time.monotonic() - start)
         fault: Fault | None = None
         if res.end == "grace_expired":
             fault = self._peer_failed(res.payloads)
         elif res.end == "timed_out":
-            fault = self._timed_out(budget, seq == 0)
+            fault = self._timed_out(f"test exceeded its timeout of {timeout_s:g} s; stacks of every rank follow")
         return TestOutcome(res.payloads, fault, res.at - start)
+
+    def _any_dead(self) -> bool:
+        return any(not p.alive() for p in self.ranks)
+
+    def _wait_ready(self, offsets: dict[int, int]) -> Fault | None:
+        """Wait until every rank joined the process group and collected; a fault if one died or was late."""
+        def collect(payloads: Payloads) -> bool:
+            return int(self.store.add(protocol.KEY_READY, 0)) >= self.setup.world_size
+
+        res = wait_for_answers(collect, time.monotonic(), self.setup.startup_s, self.setup.grace_s,
+                               stopped=self._any_dead)
+        if res.end == "answered":
+            self.ready = True
+            return None
+        if res.end == "stopped":
+            return self._died(offsets)
+        return self._timed_out(f"the bucket's ranks did not start (join the process group and collect) within the "
+                               f"{self.setup.startup_s:g} s start-up allowance; stacks of every rank follow")
 
     def _died(self, offsets: dict[int, int]) -> Fault:
         time.sleep(0.2)  # let a crash cascade settle so every dead rank is named
@@ -134,14 +160,12 @@ class Bucket:
                    f"{self.setup.grace_s:g} s grace period (probably blocked in a collective); bucket torn down")
         return Fault("peer_failed", summary, cause, sections)
 
-    def _timed_out(self, budget: float, first: bool) -> Fault:
+    def _timed_out(self, summary: str) -> Fault:
         before = procs_mod.dump_stacks(self.ranks, int(DUMP_SIGNAL))
         sections = []
         for p in self.ranks:
             sections.append((f"rank {p.rank} stack at timeout", p.fault_text(before[p.rank]).strip() or "(no dump)"))
             sections.append((f"rank {p.rank} last output lines", p.log_tail()))
-        extra = " (including the bucket start-up allowance)" if first else ""
-        summary = f"test exceeded its timeout of {budget:g} s{extra}; stacks of every rank follow"
         return Fault("timeout", summary, None, sections)
 
     def close(self, graceful: bool) -> None:

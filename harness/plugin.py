@@ -37,7 +37,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="default per-test timeout in seconds for distributed tests (default: 120 on gloo, 300 on "
                          "nccl; ini: harness_timeout); distributed(timeout=...) overrides")
     group.addoption("--harness-startup-timeout", dest="harness_startup_timeout", type=float, default=None,
-                    help="extra seconds allowed for a bucket's rank processes to start (default 120 gloo, 300 nccl)")
+                    help="seconds allowed for a bucket's rank processes to start (join the process group and "
+                         "collect) before its first test's own timeout starts (default 120 gloo, 300 nccl)")
     group.addoption("--harness-grace", dest="harness_grace", type=float, default=3.0,
                     help="seconds to wait for the other ranks after one rank failed before tearing the bucket "
                          "down (they are probably blocked in a collective); default 3")

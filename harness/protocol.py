@@ -3,7 +3,8 @@
 Spawn mode: the controller hosts one TCPStore per bucket (on port 0, so concurrent buckets never
 collide). It writes ``cmd/<seq>`` to tell every rank which test to run next; each rank answers
 ``res/<seq>/<rank>`` and bumps ``done/<seq>``; the last one sets ``all/<seq>``. Ranks therefore agree
-on each test's end through the store, never through the process group.
+on each test's end through the store, never through the process group. Each rank bumps ``ready``
+once it has joined the process group and collected, so the first test's timeout starts only then.
 
 torchrun mode: the ranks share torchrun's rendezvous store under ``harness-torchrun/``. Each rank posts
 ``collect/<rank>`` (its collected test ids); per test rank 0 writes ``go/<seq>``, every rank answers
@@ -35,6 +36,7 @@ PG_PREFIX = "pg/"
 TORCHRUN_PREFIX = "harness-torchrun/"
 RANK_STORE_TIMEOUT_S = 24 * 3600.0
 KEY_END = "end"
+KEY_READY = "ready"
 
 
 class KeyValueStore(Protocol):

@@ -46,6 +46,7 @@ class RankSession:
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtestloop(self, session: pytest.Session) -> bool:
         items = {item.nodeid: item for item in session.items}
+        self.store.add(protocol.KEY_READY, 1)
         seq = 0
         while True:
             cmd = protocol.get(self.store, protocol.key_cmd(seq))

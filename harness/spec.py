@@ -19,7 +19,7 @@ REQUIRES_MODULE = "requires_module"
 # pytest session (pytester, xdist worker identity), so a rank process would get a meaningless copy.
 CONTROLLER_ONLY_FIXTURES = ("pytester", "testdir", "worker_id", "testrun_uid")
 
-# Per-test timeout and the extra start-up allowance of a bucket's first test, per backend, in seconds.
+# Per-test timeout and a bucket's start-up allowance (until every rank is ready), per backend, in seconds.
 DEFAULT_TIMEOUT_S = {"gloo": 120.0, "nccl": 300.0}
 DEFAULT_STARTUP_S = {"gloo": 120.0, "nccl": 300.0}
 
@@ -133,5 +133,5 @@ def resolve_timeout(config: pytest.Config, spec: DistSpec, backend: str) -> floa
 
 
 def resolve_startup_timeout(config: pytest.Config, backend: str) -> float:
-    """Extra seconds for a bucket's first test (rank start-up): ``--harness-startup-timeout``, else the default."""
+    """Seconds a bucket's ranks may take to start: ``--harness-startup-timeout``, else the default."""
     return float(config.getoption("harness_startup_timeout") or DEFAULT_STARTUP_S[backend])

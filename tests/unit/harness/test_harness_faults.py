@@ -46,6 +46,14 @@ def test_timeout_shows_every_rank_stack(faults_run: SampleRun):
     assert "in _hang_here" in case.text
 
 
+def test_first_test_of_a_bucket_keeps_its_own_timeout(faults_run: SampleRun):
+    """Start-up has its own allowance; a test marked timeout=3 that sleeps 10 s fails after about 3 s."""
+    case = faults_run.cases["test_first_in_bucket_keeps_its_timeout"]
+    assert case.outcome == "failed", faults_run.output[-3000:]
+    assert "exceeded its timeout of 3 s" in case.message
+    assert case.time < 9.0, case.time
+
+
 def test_raise_while_peers_block_fails_fast_naming_raiser(faults_run: SampleRun):
     case = faults_run.cases["test_raise_while_blocked"]
     assert case.outcome == "failed"

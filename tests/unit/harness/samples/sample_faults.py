@@ -122,3 +122,10 @@ def test_rank2_only(dist_env, record_property):
 def test_after_rank2(dist_env, record_property):
     _pid(record_property)
     dist.barrier()
+
+
+@pytest.mark.distributed(world_size=2, timeout=3, bucket="first-test-timeout")
+def test_first_in_bucket_keeps_its_timeout(record_property):
+    """The first test of a bucket: the rank start-up allowance must not extend its own timeout."""
+    _pid(record_property)
+    time.sleep(10)
