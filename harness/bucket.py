@@ -94,9 +94,9 @@ class Bucket:
         offsets = {p.rank: p.fault_size() for p in self.ranks}
         start = time.monotonic()
         if not self.ready:
-            fault = self._wait_ready(offsets)
-            if fault is not None:
-                return TestOutcome({}, fault, time.monotonic() - start)
+            startup_fault = self._wait_ready(offsets)
+            if startup_fault is not None:
+                return TestOutcome({}, startup_fault, time.monotonic() - start)
             start = time.monotonic()
         seq = self.seq
         self.seq += 1
