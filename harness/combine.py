@@ -8,6 +8,7 @@ JUnit XML writes as properties.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Literal
 
 import pytest
@@ -18,6 +19,33 @@ from harness.outcome import Fault, TestOutcome
 Phase = Literal["setup", "call", "teardown"]
 Outcome = Literal["passed", "failed", "skipped"]
 PHASES: tuple[Phase, ...] = ("setup", "call", "teardown")
+
+
+class HarnessStateWarning(UserWarning):
+    """A test left its rank changed (environment, working directory, process group); the harness
+    restored it (or restarted the ranks) so the next test is unaffected."""
+
+
+def state_changes(outcome: TestOutcome) -> list[str]:
+    """What each rank's guard found changed after the test (``harness.rank_guard``), as ``rank r: ...``."""
+    return [f"rank {r}: {c}" for r, p in sorted(outcome.payloads.items()) for c in p.get("state_changes") or []]
+
+
+def needs_restart(outcome: TestOutcome) -> bool:
+    """True when a rank cannot be put back in place (its default process group was destroyed or replaced)."""
+    return any(p.get("restart") for p in outcome.payloads.values())
+
+
+def warn_state_changes(item: pytest.Item, outcome: TestOutcome) -> None:
+    """Name the test that changed its ranks' state in the warnings summary (under ``-W error`` too: the
+    ``state_changed`` property of its report names it either way)."""
+    changes = state_changes(outcome)
+    if changes:
+        try:
+            warnings.warn(HarnessStateWarning(f"{item.nodeid} changed its ranks' state: " + "; ".join(changes)),
+                          stacklevel=1)
+        except Warning:
+            pass
 
 
 class RankFailureRepr:
@@ -98,6 +126,9 @@ class ReportBuilder:
             if fault is not None and r == fault.cause_rank and fault.kind == "died":
                 state = "died"
             props.append((f"rank{r}", state))
+        changes = state_changes(self.outcome)
+        if changes:
+            props.append(("state_changed", "; ".join(changes)))
         seen: dict[tuple[str, str], list[int]] = {}
         values: dict[tuple[str, str], object] = {}
         for r in sorted(self.per_rank):

@@ -18,7 +18,7 @@ from harness import backend as backend_mod
 from harness import gpu_lease
 from harness import procs as procs_mod
 from harness.bucket import Bucket, BucketSetup, TestOutcome
-from harness.combine import ReportBuilder
+from harness.combine import ReportBuilder, needs_restart, warn_state_changes
 from harness.spec import SPEC_KEY, DistSpec, resolve_startup_timeout, resolve_timeout
 
 
@@ -147,8 +147,9 @@ class Controller:
         outcome: TestOutcome = bucket.run_test(item.stash[ORIG_NODEID_KEY], next_id, shared, timeout)
         if outcome.fault is not None:
             self.close_active(graceful=False)
-        elif not same_next:
+        elif not same_next or needs_restart(outcome):
             self.close_active(graceful=True)
+        warn_state_changes(item, outcome)
         return ReportBuilder(item, key.world_size, outcome).build()
 
     def _next_runnable(self, nextitem: pytest.Item | None) -> pytest.Item | None:

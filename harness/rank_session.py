@@ -17,6 +17,7 @@ import pytest
 from harness import payload as payload_mod
 from harness import protocol
 from harness.context import RANK_STATE_KEY, RankState
+from harness.rank_guard import RankGuard
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -33,11 +34,13 @@ class RankSession:
         self.reports: list[pytest.TestReport] | None = None
         self.config: pytest.Config | None = None
         self.spill_dir = pathlib.Path(os.environ.get(protocol.ENV_SPILL_DIR, f"harness-rank{self.rank}-output"))
+        self.guard = RankGuard(default_group=_default_group)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_configure(self, config: pytest.Config) -> None:
         self.config = config
         config.stash[RANK_STATE_KEY] = self.state
+        config.pluginmanager.register(self.guard, "fsdp_harness_rank_guard")
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if self.reports is not None:
@@ -69,10 +72,12 @@ class RankSession:
             self.state.shared_tmp = pathlib.Path(cmd["shared_tmp"])
             nextitem = items.get(cmd["next"]) if cmd.get("next") else None
             self.reports = []
+            self.guard.before_test()
             try:
                 item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
             finally:
                 reports, self.reports = self.reports, None
+            payload["state_changes"], payload["restart"] = self.guard.after_test()
             spiller = payload_mod.Spiller(self.spill_dir, f"{seq:05d}-{item.name}")
             payload["reports"] = payload_mod.serialize_reports(self.config, reports, spiller)
         payload["t"] = time.time()
@@ -84,3 +89,10 @@ class RankSession:
         protocol.put(self.store, protocol.key_res(seq, self.rank), payload)
         if self.store.add(protocol.key_done(seq), 1) == self.world_size:
             self.store.set(protocol.key_all(seq), "1")
+
+
+def _default_group() -> object | None:
+    """The default process group object, None when there is none."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_initialized() else None

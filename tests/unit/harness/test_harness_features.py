@@ -8,7 +8,7 @@ from harness_selftest import SampleRun, run_samples, run_samples_once
 @pytest.fixture(scope="session")
 def features_run(tmp_path_factory: pytest.TempPathFactory) -> SampleRun:
     return run_samples_once(tmp_path_factory, "features", "sample_fixtures.py", "sample_requirements.py",
-                            "sample_forked.py")
+                            "sample_forked.py", "sample_state_leak.py")
 
 
 def test_fixture_and_param_cases_pass(features_run: SampleRun):
@@ -61,6 +61,23 @@ def test_forked_crash_reported_by_pytest_forked(features_run: SampleRun):
     case = features_run.cases["test_forked_crash"]
     assert case.outcome in ("failed", "error") and "SIGSEGV" in (case.message + case.text)
     assert features_run.cases["test_distributed_after_forked"].outcome == "passed"
+
+
+def test_state_changed_by_a_test_is_restored_and_named(features_run: SampleRun):
+    """Destroying the process group restarts the bucket; env, cwd and dtype are put back in place; the
+    test that changed them is named (report property and warning), the next test is not blamed."""
+    cases = {name.rsplit("::", 1)[-1]: c for name, c in features_run.cases.items()}
+    names = ("test_destroys_process_group", "test_after_destroy", "test_changes_env_cwd_dtype", "test_after_changes")
+    assert {n: cases[n].outcome for n in names} == dict.fromkeys(names, "passed"), features_run.output[-3000:]
+    destroyed = cases["test_destroys_process_group"].prop("state_changed") or ""
+    assert "default process group was destroyed" in destroyed and "rank 1:" in destroyed
+    assert cases["test_destroys_process_group"].rank_props("pid") != cases["test_after_destroy"].rank_props("pid")
+    changed = cases["test_changes_env_cwd_dtype"].prop("state_changed") or ""
+    for what in ("CUDA_VISIBLE_DEVICES", "HARNESS_SAMPLE_LEAK", "SAMPLE_LEAK", "working directory", "default dtype"):
+        assert what in changed, (what, changed)
+    assert cases["test_changes_env_cwd_dtype"].rank_props("pid") == cases["test_after_changes"].rank_props("pid")
+    assert cases["test_after_changes"].prop("state_changed") is None
+    assert "HarnessStateWarning" in features_run.output and "test_changes_env_cwd_dtype changed" in features_run.output
 
 
 def test_force_cpu_env_names_the_reason(tmp_path):
