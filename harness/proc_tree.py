@@ -37,6 +37,12 @@ def _stat(pid: int | str) -> tuple[str, int, int] | None:
     return fields[0], int(fields[1]), int(fields[19])
 
 
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    st = _stat(pid)
+    return st is not None and st[0] != "Z"
+
+
 def start_ticks(pid: int) -> int | None:
     """When ``pid`` started (clock ticks after boot), None if it is gone."""
     st = _stat(pid)

@@ -6,10 +6,13 @@ collide). It writes ``cmd/<seq>`` to tell every rank which test to run next; eac
 on each test's end through the store, never through the process group. Each rank bumps ``ready``
 once it has joined the process group and collected, so the first test's timeout starts only then.
 
-torchrun mode: the ranks share torchrun's rendezvous store under ``harness-torchrun/``. Each rank posts
-``collect/<rank>`` (its collected test ids); per test rank 0 writes ``go/<seq>``, every rank answers
-``res/<seq>/<rank>`` and rank 0 writes ``verdict/<seq>``; ``dir/<tag>`` holds shared directory paths
-and ``end`` counts the ranks that finished the session.
+torchrun mode: the ranks share torchrun's rendezvous store under ``harness-torchrun/<restart>/``.
+Each rank posts ``info/<rank>`` (pid, host) and ``collect/<rank>`` (its collected test ids); per test
+rank 0 writes ``go/<seq>`` (run or stop), every rank answers ``res/<seq>/<rank>`` and bumps
+``failed/<seq>`` if its answer is a failure. Rank 0 bumps ``dump`` to ask every rank's watchdog
+thread for its stacks, answered in ``stack/<dump>/<rank>``; ``dir/<tag>`` holds shared directory
+paths, ``end`` counts the ranks that finished the session, and rank 0 sets ``final`` once its
+results are written (a rank still stuck in a test exits then).
 
 Values are JSON text. ``json.dumps`` escapes every non-ASCII character, so the text is ASCII and
 ``Store.set`` (typed ``str``) stores exactly its bytes; ``Store.get`` returns them as ``bytes``.
@@ -37,6 +40,8 @@ TORCHRUN_PREFIX = "harness-torchrun/"
 RANK_STORE_TIMEOUT_S = 24 * 3600.0
 KEY_END = "end"
 KEY_READY = "ready"
+KEY_DUMP = "dump"
+KEY_FINAL = "final"
 
 
 class KeyValueStore(Protocol):
@@ -69,8 +74,16 @@ def key_go(seq: int) -> str:
     return f"go/{seq}"
 
 
-def key_verdict(seq: int) -> str:
-    return f"verdict/{seq}"
+def key_failed(seq: int) -> str:
+    return f"failed/{seq}"
+
+
+def key_stack(dump: int, rank: int) -> str:
+    return f"stack/{dump}/{rank}"
+
+
+def key_info(rank: int) -> str:
+    return f"info/{rank}"
 
 
 def key_collected(rank: int) -> str:

@@ -123,10 +123,10 @@ def validate_item(item: pytest.Item, forbidden_fixtures: tuple[str, ...]) -> Dis
     return spec
 
 
-def resolve_timeout(config: pytest.Config, spec: DistSpec, backend: str) -> float:
-    """Seconds one distributed test may run: the marker's ``timeout=``, else ``--harness-timeout``,
-    else ini ``harness_timeout``, else the backend's default."""
-    if spec.timeout is not None:
+def resolve_timeout(config: pytest.Config, spec: DistSpec | None, backend: str) -> float:
+    """Seconds one test may run (``spec`` None: an unmarked test under torchrun): the marker's
+    ``timeout=``, else ``--harness-timeout``, else ini ``harness_timeout``, else the backend's default."""
+    if spec is not None and spec.timeout is not None:
         return spec.timeout
     opt = config.getoption("harness_timeout") or config.getini("harness_timeout")
     return float(opt) if opt else DEFAULT_TIMEOUT_S[backend]

@@ -1,19 +1,32 @@
 """torchrun mode: ``torchrun --nproc-per-node N -m pytest ...`` (single node; multi-node by design).
 
-Every rank runs the same pytest session. The process group is initialised once; distributed tests
-whose world size equals WORLD_SIZE run on every rank, others skip with a reason naming both sizes;
-single-process tests run on rank 0 only. Ranks meet per test through the rendezvous store (never
-the process group): rank 0 announces each test, every rank posts its serialised reports, rank 0
-combines them and is the only one that prints and writes JUnit.
+Every rank runs the same pytest session and every test in the same order, as plain pytest under
+torchrun does, but in lockstep: a rank starts a test only when rank 0 announces it (``go/<seq>``),
+and rank 0 announces it only after every rank answered the previous one, so a test that failed early
+on one rank never pairs its collectives with the next test's. Ranks meet through the rendezvous store
+(``harness.torchrun_link``), never the process group; rank 0 alone merges the answers into one
+outcome per test, prints and writes JUnit (``harness.torchrun_report``).
+
+The harness does not initialise the default process group for unmarked tests: they see what plain
+pytest would, so a suite whose ``setup_class`` calls ``init_process_group`` itself works unchanged.
+A ``@pytest.mark.distributed`` test (whose world size must equal WORLD_SIZE, else it skips) finds
+one initialised: the suite's own if there is one, else one the harness creates (NCCL with a GPU per
+local rank, else gloo) and destroys again before the next unmarked test.
+
+Faults: a test that exceeds its timeout on any rank, or whose ranks stay blocked past the grace
+period after one failed, fails with every rank's stacks and ends the session; so does SIGTERM
+(torchrun stops all ranks when one exits with an error, e.g. a crash, and so does a cancelled job).
+Rank 0 reports even when its own main thread is stuck (``harness.torchrun_watchdog``); a rank still
+stuck in a test exits once rank 0 has written its results.
 """
 from __future__ import annotations
 
-import datetime
-import faulthandler
+import dataclasses
 import hashlib
 import os
 import pathlib
-import tempfile
+import re
+import threading
 import time
 from typing import Any
 
@@ -21,14 +34,21 @@ import pytest
 from _pytest.runner import runtestprotocol
 
 from harness import backend as backend_mod
-from harness import protocol
-from harness.combine import ReportBuilder
+from harness import payload as payload_mod
+from harness import proc_tree, protocol, torchrun_link
 from harness.context import RANK_STATE_KEY, DistEnv, RankState
-from harness.outcome import Fault, TestOutcome, first_failed_rank
+from harness.outcome import payload_failed
+from harness.rank_guard import RankGuard
 from harness.spec import SPEC_KEY, resolve_timeout
-from harness.wait import Payloads, wait_for_answers
+from harness.torchrun_report import Reporter
+from harness.torchrun_watchdog import SIGTERM_WAIT_S, RankWatchdog, SignalPipe, end_process, keep_real_stderr, say
 
-_WAIT_S = 600.0
+JUNIT_PATH_KEY = pytest.StashKey[str | None]()
+END_WAIT_S = 10.0
+FINAL_WAIT_OTHERS_S = 120.0
+
+# What the main thread is doing; the watchdog may take over in any phase but "finishing".
+IDLE, RUNNING, WAITING, FINISHING, ABANDONED = "idle", "running", "waiting", "finishing", "abandoned"
 
 
 def is_rank0() -> bool:
@@ -37,9 +57,25 @@ def is_rank0() -> bool:
 
 def quiet_non_zero_ranks(config: pytest.Config) -> None:
     """Before junitxml and the terminal reporter configure: only rank 0 reports."""
+    config.stash[JUNIT_PATH_KEY] = config.option.xmlpath
     if not is_rank0():
         config.option.xmlpath = None
         config.pluginmanager.set_blocked("terminalreporter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Running:
+    """The test the main thread is in: its sequence number, item, start (monotonic) and timeout."""
+
+    seq: int
+    item: pytest.Item
+    start: float
+    timeout: float
+
+
+def _park() -> None:
+    """The watchdog took over this rank; it ends the process. Never return."""
+    threading.Event().wait()
 
 
 class TorchrunSession:
@@ -47,38 +83,126 @@ class TorchrunSession:
 
     def __init__(self, config: pytest.Config) -> None:
         import torch
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d as c10d
 
         self.config = config
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world_size)))
-        # Every rank must choose the same backend: NCCL only when each local rank has its own GPU
-        # (4 ranks on a 2-GPU node run gloo on CPU instead of half of them waiting forever).
-        use_cuda = torch.cuda.is_available() and not backend_mod.force_cpu(config) \
+        # Every rank must choose the same backend: NCCL only when each local rank has its own GPU.
+        self.use_cuda = torch.cuda.is_available() and not backend_mod.force_cpu(config) \
             and torch.cuda.device_count() >= local_world
-        backend = "nccl" if use_cuda else "gloo"
-        if use_cuda:
-            torch.cuda.set_device(local_rank)
-        if not dist.is_initialized():
-            dist.init_process_group(backend)
-        self.store = dist.PrefixStore(protocol.TORCHRUN_PREFIX, c10d._get_default_store())
-        self.store.set_timeout(datetime.timedelta(seconds=_WAIT_S))
-        device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-        env = DistEnv(rank=self.rank, world_size=self.world_size, local_rank=local_rank, device=device, backend=backend)
-        self.state = RankState(env=env, session_shared_dir=self._shared_dir("session"))
-        config.stash[RANK_STATE_KEY] = self.state
+        self.backend = "nccl" if self.use_cuda else "gloo"
+        proc_tree.become_subreaper()
+        keep_real_stderr()
+        self.store = torchrun_link.connect_store(self.rank, self.world_size, host=True)
+        self.watch_store = torchrun_link.connect_store(self.rank, self.world_size, host=False)
+        torchrun_link.publish_info(self.store, self.rank)
+        self.peers = torchrun_link.Peers()
+        self.lock = threading.Lock()
+        self.phase = IDLE
+        self.running: Running | None = None
         self.seq = 0
+        self.own_group: object | None = None
+        self.pytest_session: pytest.Session | None = None
+        self.state: RankState | None = None
+        self.guard = RankGuard()
+        config.pluginmanager.register(self.guard, "fsdp_harness_rank_guard")
+        self.reporter = Reporter(self) if self.rank == 0 else None
+        self.watchdog = RankWatchdog(self.rank, self.watch_store, SignalPipe(), lambda: self.phase,
+                                     self.running_output, self.reporter.judge if self.reporter else None,
+                                     self.on_sigterm)
+        self.watchdog.start()
 
-    def _shared_dir(self, tag: str) -> pathlib.Path:
-        """Rank 0 creates a directory and publishes its path; every rank gets the same path."""
-        key = protocol.key_dir(tag)
+    # ----- state shared with the watchdog ---------------------------------------------------------
+    def in_watchdog(self) -> bool:
+        return threading.current_thread() is self.watchdog.thread
+
+    def abandoned(self) -> bool:
+        return self.phase == ABANDONED
+
+    def enter(self, phase: str, running: Running | None = None) -> None:
+        """Main thread: move to ``phase``; park for good if the watchdog has taken over."""
+        with self.lock:
+            self.park_if_abandoned(locked=True)
+            self.phase = phase
+            self.running = running if phase == RUNNING else self.running
+
+    def park_if_abandoned(self, locked: bool = False) -> None:
+        if self.phase == ABANDONED and not self.in_watchdog():
+            if locked:
+                self.lock.release()
+            _park()
+
+    def running_test(self) -> Running | None:
+        """The test rank 0's main thread is inside, None when it is elsewhere."""
+        with self.lock:
+            return self.running if self.phase == RUNNING else None
+
+    def running_output(self, was_running: bool = False) -> str:
+        """What the running test printed so far on this rank (taken from pytest's capture)."""
+        capman = self.config.pluginmanager.getplugin("capturemanager")
+        if capman is None or not (was_running or self.phase == RUNNING):
+            return ""
+        out, err = capman.read_global_capture()
+        return "\n".join(s for s in (out, err) if s)[-16384:]
+
+    def take_over(self, kind: str) -> None:
+        """Rank 0's watchdog: report in place of the main thread and end the session (``kind``:
+        timeout, peer_failed, terminated). Nothing to do while the main thread is finishing."""
+        assert self.reporter is not None
+        with self.lock:
+            if self.phase in (FINISHING, ABANDONED):
+                return
+            was_running = self.phase == RUNNING
+            run = self.running if self.phase in (RUNNING, WAITING) else None
+            self.phase = ABANDONED
+        own_output = ""
+        if was_running:
+            try:
+                own_output = self.running_output(was_running=True)
+            except Exception as exc:
+                own_output = f"(could not read the captured output: {exc!r})"
+        self.reporter.emergency(kind, run, own_output)
+
+    def on_sigterm(self) -> None:
+        """SIGTERM: rank 0 reports and ends; another rank keeps answering stack requests until rank 0
+        is done (or a few seconds passed), then ends."""
         if self.rank == 0:
-            protocol.put(self.store, key, tempfile.mkdtemp(prefix=f"harness-torchrun-{tag}-"))
-        return pathlib.Path(protocol.get(self.store, key))
+            self.take_over("terminated")
+            return
+        finished = self.watchdog.serve_until_final(SIGTERM_WAIT_S,
+                                                   give_up=lambda: bool(self.peers.gone(self.watch_store, [0])))
+        if not finished and self.rank == 1:
+            self._note_rank0_gone()
+        end_process(128 + 15, f"rank {self.rank}: SIGTERM")
 
-    # ----- collection ---------------------------------------------------------------------------
+    def _note_rank0_gone(self) -> None:
+        """Rank 1 says what rank 0, when it died, could not: which test, and where results are."""
+        gone = self.peers.gone(self.watch_store, [0])
+        if not gone:
+            return
+        run = self.running
+        where = self.config.stash.get(JUNIT_PATH_KEY, None)
+        say(f"rank 0 (pid {gone[0]}) died during {run.item.nodeid if run else 'the session'}; torchrun reports "
+            "its exit status, its stderr has its stack"
+            + (f"; {where} holds the results of the tests it finished before" if where else ""))
+
+    # ----- session start and collection -----------------------------------------------------------
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self.pytest_session = session
+        key = protocol.key_dir("session")
+        if self.rank == 0:
+            factory = self.config._tmp_path_factory  # type: ignore[attr-defined]
+            protocol.put(self.store, key, str(factory.mktemp("harness-torchrun", numbered=True)))
+        session_dir = pathlib.Path(protocol.get(self.store, key))
+        import torch
+
+        device = torch.device("cuda", self.local_rank) if self.use_cuda else torch.device("cpu")
+        env = DistEnv(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank, device=device,
+                      backend=self.backend)
+        self.state = RankState(env=env, session_shared_dir=session_dir)
+        self.config.stash[RANK_STATE_KEY] = self.state
+
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
@@ -104,81 +228,142 @@ class TorchrunSession:
 
     # ----- running --------------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-        distributed = item.stash.get(SPEC_KEY, None) is not None and item.get_closest_marker("skip") is None
-        if not distributed:
-            return None if self.rank == 0 else True  # single-process tests and skips: rank 0 only
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool:
         seq = self.seq
         self.seq += 1
         go = self._announce(seq, item)
         if go["op"] == "stop":
-            item.session.shouldstop = "torchrun mode: rank 0 stopped the session"
+            item.session.shouldstop = item.session.shouldstop or "torchrun mode: rank 0 stopped the session"
             return True
-        self.state.shared_tmp = pathlib.Path(go["shared_tmp"])
-        timeout = resolve_timeout(self.config, item.stash[SPEC_KEY], self.state.env.backend)
-        faulthandler.dump_traceback_later(timeout, exit=False)
+        assert self.state is not None
+        self.state.shared_tmp = pathlib.Path(go["shared_tmp"]) if go.get("shared_tmp") else None
+        self._prepare_group(item, seq)
+        spec = item.stash.get(SPEC_KEY, None)
+        run = Running(seq, item, time.monotonic(), resolve_timeout(self.config, spec, self.backend))
         if self.rank == 0:
             item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        try:
-            reports = runtestprotocol(item, nextitem=nextitem, log=False)
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-        hook = self.config.hook
-        payload = {"rank": self.rank, "t": time.time(), "error": None,
-                   "reports": [hook.pytest_report_to_serializable(config=self.config, report=r) for r in reports]}
-        protocol.put(self.store, protocol.key_res(seq, self.rank), payload)
-        if self.rank == 0:
-            self._gather_and_report(item, seq, timeout)
-        verdict = protocol.get(self.store, protocol.key_verdict(seq))
-        if verdict.get("abort"):
-            item.session.shouldstop = verdict["abort"]
+        self.enter(RUNNING, run)
+        self.guard.before_test()
+        own_properties = list(item.user_properties)
+        reports = runtestprotocol(item, nextitem=nextitem, log=False)
+        item.user_properties[:] = own_properties  # what the run recorded travels in this rank's reports
+        changes, _ = self.guard.after_test()
+        self.enter(WAITING)
+        self._answer(run, reports, changes)
+        if self.reporter is not None:
+            self.reporter.gather(run)
+        self.enter(IDLE)
         return True
 
     def _announce(self, seq: int, item: pytest.Item) -> dict[str, Any]:
-        if self.rank == 0:
-            go = {"op": "run", "shared_tmp": str(self._shared_dir(f"t{seq}"))} if not item.session.shouldstop \
-                else {"op": "stop"}
-            protocol.put(self.store, protocol.key_go(seq), go)
-            return go
-        return protocol.get(self.store, protocol.key_go(seq))
+        """Rank 0 says whether test ``seq`` runs (and its shared directory); the others wait for it."""
+        key = protocol.key_go(seq)
+        if self.rank != 0:
+            self.enter(WAITING)
+            self._wait_for(key)
+            return protocol.get(self.store, key)
+        go: dict[str, Any] = {"op": "stop" if item.session.shouldstop or item.session.shouldfail else "run"}
+        if go["op"] == "run" and "shared_tmp_path" in getattr(item, "fixturenames", ()):
+            assert self.state is not None
+            name = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.name)[-60:]
+            shared = self.state.session_shared_dir / "shared" / f"{seq:05d}-{name}"
+            shared.mkdir(parents=True)
+            go["shared_tmp"] = str(shared)
+        protocol.put(self.store, key, go)
+        return go
 
-    def _gather_and_report(self, item: pytest.Item, seq: int, timeout: float) -> None:
-        """Rank 0: wait for every rank's reports (timeout, grace), combine, log, publish the verdict."""
-        start = time.monotonic()
+    def _wait_for(self, key: str) -> None:
+        """Block until ``key`` is set, however long rank 0's part of the previous test takes."""
+        import datetime
 
-        def collect(payloads: Payloads) -> bool:
-            protocol.collect_answers(self.store, seq, range(self.world_size), payloads)
-            return len(payloads) == self.world_size
-
-        grace = float(self.config.getoption("harness_grace"))
-        res = wait_for_answers(collect, start, timeout, grace)
-        payloads = res.payloads
-        pending = [r for r in range(self.world_size) if r not in payloads]
-        fault: Fault | None = None
-        if res.end == "grace_expired":
-            fault = Fault("peer_failed", f"rank(s) {pending} did not finish within the {grace:g} s grace period "
-                          "after a failure (probably blocked in a collective); the session stops",
-                          first_failed_rank(payloads), [])
-        elif res.end == "timed_out":
-            fault = Fault("timeout", f"rank(s) {pending} exceeded the {timeout:g} s timeout (their stacks are in "
-                          "their stderr, dumped by faulthandler); the session stops", first_failed_rank(payloads), [])
-        outcome = TestOutcome(payloads, fault, time.monotonic() - start)
-        for rep in ReportBuilder(item, self.world_size, outcome).build():
-            item.ihook.pytest_runtest_logreport(report=rep)
-        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-        verdict = {"abort": f"torchrun mode: {fault.summary}"} if fault is not None else {}
-        protocol.put(self.store, protocol.key_verdict(seq), verdict)
-
-    # ----- end ------------------------------------------------------------------------------------
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        """Release ranks still waiting for a test rank 0 will not run, then meet before exiting."""
         import torch.distributed as dist
 
-        if self.rank == 0:
-            protocol.put(self.store, protocol.key_go(self.seq), {"op": "stop"})
-        self.store.add(protocol.KEY_END, 1)
-        deadline = time.monotonic() + 60
-        while int(self.store.add(protocol.KEY_END, 0)) < self.world_size and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if dist.is_initialized():
+        while True:
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=5))
+                return
+            except dist.DistStoreError:  # a timeout of this round only; a lost store raises DistNetworkError
+                continue
+
+    def _prepare_group(self, item: pytest.Item, seq: int) -> None:
+        """A distributed test finds a default process group; an unmarked one finds none of ours."""
+        import torch
+        import torch.distributed as dist
+
+        if item.stash.get(SPEC_KEY, None) is not None and item.get_closest_marker("skip") is None:
+            if not dist.is_initialized():
+                if self.use_cuda:
+                    torch.cuda.set_device(self.local_rank)
+                dist.init_process_group(self.backend, store=dist.PrefixStore(f"pg/{seq}/", self.store),
+                                        rank=self.rank, world_size=self.world_size)
+                self.own_group = dist.group.WORLD
+        elif self.own_group is not None:
+            self._release_group()
+
+    def _release_group(self) -> None:
+        import torch.distributed as dist
+
+        if self.own_group is not None and dist.is_initialized() and dist.group.WORLD is self.own_group:
             dist.destroy_process_group()
+        self.own_group = None
+
+    def _answer(self, run: Running, reports: list[pytest.TestReport], changes: list[str]) -> None:
+        assert self.state is not None
+        spill_dir = self.state.session_shared_dir / f"rank{self.rank}-output"
+        spiller = payload_mod.Spiller(spill_dir, f"{run.seq:05d}-{run.item.name}")
+        payload: dict[str, Any] = {
+            "rank": self.rank, "t": time.time(), "error": None, "state_changes": changes,
+            "reports": payload_mod.serialize_reports(self.config, reports, spiller)}
+        payload = payload_mod.fit(payload, lambda size: (
+            f"rank {self.rank}: the reports of {run.item.nodeid} are {size} bytes even with captured output "
+            f"spilled to {spill_dir}; the store holds at most {payload_mod.PAYLOAD_LIMIT}"))
+        protocol.put(self.store, protocol.key_res(run.seq, self.rank), payload)
+        if payload_failed(payload):
+            self.store.add(protocol.key_failed(run.seq), 1)
+
+    # ----- end ------------------------------------------------------------------------------------
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Release ranks waiting for a test rank 0 will not run; count this rank as finished."""
+        if not self.in_watchdog():
+            self.enter(FINISHING)
+        if self.rank == 0:
+            protocol.put(self.store if not self.in_watchdog() else self.watch_store,
+                         protocol.key_go(self.seq), {"op": "stop"})
+            return
+        self.store.add(protocol.KEY_END, 1)
+        if session.exitstatus in (pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED):
+            # Rank 0's outcome covers this rank's failures; exiting with an error first would make
+            # torchrun stop rank 0 before it wrote JUnit, and name this rank as the failure.
+            session.exitstatus = pytest.ExitCode.OK
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        """Rank 0: results are written, say so and wait briefly for the others; the others: wait
+        for that before exiting (torchrun would otherwise stop rank 0 when one of them exits with an
+        error before rank 0 wrote JUnit)."""
+        if self.rank == 0:
+            self.publish_final()
+            expected = self.world_size - 1 - len([r for r in self.reporter.stuck if r != 0] if self.reporter else [])
+            self._wait_until(lambda: int(self.store.add(protocol.KEY_END, 0)) >= expected, END_WAIT_S)
+        else:
+            self._wait_until(lambda: self.store.check([protocol.KEY_FINAL]), FINAL_WAIT_OTHERS_S)
+        self.watchdog.stop()
+        self.watchdog.signals.close()
+        self._release_group()
+        proc_tree.kill_tree(os.getpid(), include_root=False)
+
+    def publish_final(self) -> None:
+        store = self.watch_store if self.in_watchdog() else self.store
+        store.set(protocol.KEY_FINAL, "1")
+
+    @staticmethod
+    def _wait_until(predicate: Any, limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            try:
+                if predicate():
+                    return
+            except Exception:  # the store's host (rank 0) is gone: nobody left to wait for
+                return
+            time.sleep(0.02)

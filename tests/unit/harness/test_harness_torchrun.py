@@ -1,32 +1,58 @@
-"""torchrun mode on CPU/gloo: rank 0 reports every rank's outcome, mismatched world sizes skip, JUnit once."""
+"""torchrun mode on CPU/gloo: every test runs on every rank in lockstep, rank 0 reports one merged
+outcome per test and writes JUnit once; a plain suite gives the same outcomes as without the plugin;
+marked tests of another world size skip."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 
 import pytest
-from harness_selftest import REPO, SAMPLES, parse_junit
+from harness_selftest import REPO, SAMPLES, Case, parse_junit
+
+_OUTCOME_ORDER = ("passed", "skipped", "failed", "error")
 
 
-def _torchrun(tmp_path, nproc: int):
-    junit = tmp_path / "junit.xml"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+def torchrun(tmp_path, nproc: int, *names: str, args: tuple[str, ...] = (), env: dict | None = None,
+             plugin: bool = True, timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict[str, Case], float]:
+    """Run sample files under ``torchrun --standalone``; return the process, rank 0's JUnit cases (or,
+    without the plugin, each rank's JUnit merged: the worst outcome per test) and the wall time."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HARNESS_"))}
+    full_env.update(env or {})
+    junit = tmp_path / ("junit-RANK.xml" if not plugin else "junit.xml")
+    extra: list[str] = []
+    if not plugin:
+        extra = ["-p", "no:fsdp_harness", "-p", "per_rank_junit"]
+        full_env["PYTHONPATH"] = os.pathsep.join([str(SAMPLES), full_env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "pytest", str(SAMPLES / "sample_torchrun.py"), "-p", "no:cacheprovider", "-rA",
-           f"--junitxml={junit}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    return proc, parse_junit(junit)
+           "-m", "pytest", *[str(SAMPLES / n) for n in names], "-p", "no:cacheprovider", "-rA",
+           f"--junitxml={junit}", *extra, *args]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    elapsed = time.monotonic() - start
+    if plugin:
+        return proc, (parse_junit(junit) if junit.exists() else {}), elapsed
+    merged: dict[str, Case] = {}
+    for r in range(nproc):
+        path = tmp_path / f"junit-{r}.xml"
+        for name, case in (parse_junit(path) if path.exists() else {}).items():
+            if name not in merged or _OUTCOME_ORDER.index(case.outcome) > _OUTCOME_ORDER.index(merged[name].outcome):
+                merged[name] = case
+    return proc, merged, elapsed
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_torchrun_mode(tmp_path, nproc):
-    proc, cases = _torchrun(tmp_path, nproc)
+    proc, cases, _ = torchrun(tmp_path, nproc, "sample_torchrun.py")
     out = proc.stdout + proc.stderr
-    assert len(cases) == 4, out[-3000:]
+    assert len(cases) == 5, out[-3000:]
     assert out.count("generated xml file") == 1, out[-3000:]  # only rank 0 writes JUnit
     assert out.count("test session starts") == 1  # and only rank 0 prints
-    assert cases["test_single_process"].outcome == "passed"
+    unmarked = cases["test_unmarked_runs_on_every_rank"]
+    assert unmarked.outcome == "passed"
+    assert unmarked.rank_props("rank") == {r: str(r) for r in range(nproc)}  # it ran on every rank
+    assert cases["test_unmarked_finds_no_harness_process_group"].outcome == "passed", out[-3000:]
     if nproc == 2:
         assert proc.returncode == 0, out[-3000:]
         assert cases["test_ws2_sum"].outcome == "passed"
@@ -43,11 +69,24 @@ def test_torchrun_mode(tmp_path, nproc):
         assert cases["test_ws4_passes"].outcome == "passed"
 
 
+def test_plain_suite_same_outcomes_with_and_without_the_plugin(tmp_path):
+    """A Megatron-style class (``setup_class`` initialises the process group) runs on every rank in
+    lockstep; the failure on one rank only is one failed outcome naming that rank."""
+    (tmp_path / "with").mkdir()
+    (tmp_path / "without").mkdir()
+    proc, cases, _ = torchrun(tmp_path / "with", 2, "sample_torchrun_plain.py")
+    _, plain, _ = torchrun(tmp_path / "without", 2, "sample_torchrun_plain.py", plugin=False)
+    out = proc.stdout + proc.stderr
+    assert len(cases) == 8 and plain, out[-3000:]
+    assert {n: c.outcome for n, c in cases.items()} == {n: c.outcome for n, c in plain.items()}
+    one_rank = cases["test_fails_on_last_rank_only"]
+    assert one_rank.message == "[rank 1] AssertionError: the last rank disagrees"
+    assert [one_rank.prop(f"rank{r}") for r in range(2)] == ["passed", "failed"]
+    assert sum(c.outcome == "passed" for c in cases.values()) == 5, {n: c.outcome for n, c in cases.items()}
+
+
 def test_torchrun_collection_mismatch_is_an_error(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "pytest", str(SAMPLES / "sample_torchrun_mismatch.py"), "-p", "no:cacheprovider"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc, _, _ = torchrun(tmp_path, 2, "sample_torchrun_mismatch.py")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "ranks collected different tests" in out and "rank 1: 2 items" in out, out[-3000:]

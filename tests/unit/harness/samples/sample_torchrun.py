@@ -1,4 +1,5 @@
-"""Run under ``torchrun --nproc-per-node {2,4} -m pytest`` by the self-tests."""
+"""Run under ``torchrun --nproc-per-node {2,4} -m pytest`` by the self-tests: marked tests of both
+world sizes (the other one skips) and unmarked tests, which run on every rank."""
 import os
 
 import pytest
@@ -29,5 +30,10 @@ def test_ws4_passes(dist_env):
     assert t.item() == 4.0
 
 
-def test_single_process():
-    assert int(os.environ["RANK"]) == 0
+def test_unmarked_runs_on_every_rank(record_property):
+    record_property("rank", os.environ["RANK"])
+    assert 0 <= int(os.environ["RANK"]) < int(os.environ["WORLD_SIZE"])
+
+
+def test_unmarked_finds_no_harness_process_group():
+    assert not dist.is_initialized()
