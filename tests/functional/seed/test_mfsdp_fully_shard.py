@@ -10,7 +10,7 @@ skip rules and the test bodies. Changed, only as far as needed to run here:
   naming it); ``Utils`` is a stand-in that initialises and destroys the default process group;
 - the device: CUDA with one GPU per local rank, else the CPU (gloo), instead of ``"cuda"``;
 - ``SHARED_TMP_DIR`` has the torchrun run id in it, so concurrent runs on one machine do not share
-  checkpoint directories;
+  checkpoint directories, and ``teardown_class`` removes it;
 - on the CPU only a small set of cases runs (8 gloo ranks on a few cores are slow); the rest skip
   with the reason, and ``MFSDP_SEED_FULL_MATRIX=1`` runs them all.
 """
@@ -333,6 +333,8 @@ class TestMegatronFsdpFullyShard:
 
     @classmethod
     def teardown_class(cls):
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
+            shutil.rmtree(SHARED_TMP_DIR, ignore_errors=True)  # this run's directory (see the docstring)
         Utils.destroy_model_parallel()
 
     @pytest.mark.skipif(
