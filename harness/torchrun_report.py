@@ -74,6 +74,8 @@ class Reporter:
         with self.session.lock:
             self.session.park_if_abandoned(locked=True)
             self.report(run, res.payloads, fault, res.at - run.start)
+        for r in res.payloads:  # torchrun's store lives as long as the job: keep it small
+            store.delete_key(protocol.key_res(run.seq, r))
 
     def _someone_gone(self, run: Running) -> bool:
         """Whether a rank that has not answered died (checked every ``LIVENESS_EVERY_S``)."""
