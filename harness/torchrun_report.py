@@ -141,23 +141,20 @@ class Reporter:
                    "grace period (probably blocked in a collective); the session stops")
         return Fault("peer_failed", summary, cause, self.stack_sections(pending, "stack while blocked", own_output))
 
-    def _died(self, pending: list[int]) -> Fault:
+    def _died(self, pending: list[int], own_output: str = "", terminated: bool = False) -> Fault:
+        """A rank's process is gone (seen by rank 0, or announced by torchrun's SIGTERM to the rest)."""
         gone = self.session.peers.gone(self._store(), pending)
+        if not gone and terminated:
+            summary = (f"the session received SIGTERM (the job was cancelled or timed out) while rank(s) {pending} "
+                       "had not finished this test; stacks of every rank follow")
+            sections = self.stack_sections(list(range(self.world_size)), "stack at SIGTERM", own_output)
+            return Fault("timeout", summary, None, sections)
         names = ", ".join(f"rank {r} (pid {pid})" for r, pid in gone.items())
-        summary = (f"rank process died: {names} is gone (torchrun reports its exit status; its stack, if "
+        then = "; torchrun then stopped the other ranks (SIGTERM)" if terminated else ""
+        summary = (f"rank process died: {names} is gone{then} (torchrun reports its exit status; its stack, if "
                    "any, is in its stderr); the session stops")
-        alive = [r for r in pending if r not in gone]
-        return Fault("died", summary, min(gone) if gone else None, self.stack_sections(alive, "stack"))
-
-    def _terminated(self, pending: list[int], own_output: str) -> Fault:
-        gone = self.session.peers.gone(self._store(), pending)
-        why = (f"rank(s) {sorted(gone)} died and torchrun then stopped the others (their exit status is in "
-               "torchrun's summary, their stack in their stderr)" if gone
-               else "the job was cancelled or timed out (SIGTERM from outside)")
-        summary = f"the session received SIGTERM while rank(s) {pending} had not finished this test: {why}"
         alive = [r for r in range(self.world_size) if r not in gone]
-        return Fault("died" if gone else "timeout", summary, min(gone) if gone else None,
-                     self.stack_sections(alive, "stack at SIGTERM", own_output))
+        return Fault("died", summary, min(gone) if gone else None, self.stack_sections(alive, "stack", own_output))
 
     # ----- watchdog thread ------------------------------------------------------------------------
     def judge(self) -> None:
@@ -186,7 +183,7 @@ class Reporter:
             protocol.collect_answers(self._store(), run.seq, range(self.world_size), payloads)
             pending = [r for r in range(self.world_size) if r not in payloads]
             if kind == "terminated":
-                fault = self._terminated(pending, own_output)
+                fault = self._died(pending, own_output, terminated=True)
             elif kind == "peer_failed":
                 fault = self._peer_failed(payloads, pending, own_output)
             else:

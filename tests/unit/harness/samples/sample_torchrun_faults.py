@@ -1,6 +1,7 @@
 """Faults under torchrun (self-test sample), chosen by ``HARNESS_SELFTEST_FAULT``: ``hang0``/``hang1``
 (that rank sleeps in ``_hang_here``, the others finish), ``raise1`` (rank 1 raises while rank 0
-blocks in a collective), ``crash0``/``crash1`` (that rank segfaults). Unmarked tests, as in a plain
+blocks in a collective), ``crash0``/``crash1`` (that rank segfaults), ``sleep`` (every rank sleeps,
+until the self-test sends SIGTERM to torchrun). Unmarked tests, as in a plain
 suite whose module set-up initialises the process group."""
 import ctypes
 import os
@@ -37,7 +38,10 @@ def _hang_here() -> None:
 def test_fault():
     rank = dist.get_rank()
     print(f"rank {rank} starts the faulty test", flush=True)
-    if FAULT == f"hang{rank}":
+    where = os.environ.get("HARNESS_SELFTEST_PIDDIR")
+    if where:
+        (pathlib.Path(where) / f"rank{rank}.started").write_text("")
+    if FAULT == f"hang{rank}" or FAULT == "sleep":
         _hang_here()
     elif FAULT == f"crash{rank}":
         ctypes.string_at(0)
