@@ -21,20 +21,22 @@ def _run(tmp_path, fault: str):
     piddir = tmp_path / "pids"
     piddir.mkdir()
     env = {"HARNESS_SELFTEST_FAULT": fault, "HARNESS_SELFTEST_PIDDIR": str(piddir)}
-    proc, cases, elapsed = torchrun(tmp_path, 2, "sample_torchrun_faults.py", env=env,
-                                    args=(f"--harness-timeout={TIMEOUT_S}",))
+    proc, cases, _ = torchrun(tmp_path, 2, "sample_torchrun_faults.py", env=env,
+                              args=(f"--harness-timeout={TIMEOUT_S}",))
+    junit = tmp_path / "junit.xml"
+    after_junit = time.time() - junit.stat().st_mtime if junit.exists() else float("inf")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert cases.get("test_before") is not None and cases["test_before"].outcome == "passed", out[-4000:]
     assert "test_after" not in cases, "the session must stop after the fault"
     pids = [int(p.read_text()) for p in piddir.glob("*.pid")]
     assert len(pids) == 2 and not [p for p in pids if pid_alive(p)]
-    return cases, out, elapsed
+    return cases, out, after_junit
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_hang_fails_the_test_with_every_rank_stack(tmp_path, rank):
-    cases, out, elapsed = _run(tmp_path, f"hang{rank}")
+    cases, out, after_junit = _run(tmp_path, f"hang{rank}")
     case = cases["test_fault"]
     assert case.outcome == "failed"
     assert f"exceeded its timeout of {TIMEOUT_S} s on rank(s) [{rank}]" in case.message, case.message
@@ -43,7 +45,7 @@ def test_hang_fails_the_test_with_every_rank_stack(tmp_path, rank):
     other = 1 - rank
     assert f"rank {other} stack at timeout" in case.text
     assert f"rank {rank} starts the faulty test" in case.text  # the stuck rank's output so far
-    assert elapsed < 240, elapsed  # no minute-long wait for the stuck rank after the report
+    assert after_junit < 30, after_junit  # the job ends soon after rank 0 wrote JUnit, stuck rank included
 
 
 def test_raise_while_rank0_blocks_names_the_raiser(tmp_path):
