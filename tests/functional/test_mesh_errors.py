@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_impl import fully_shard, fully_shard_model
 from tests.functional.common.collective_counter import group_ranks
+from tests.functional.common.mesh import seed_kwargs, seed_mesh
 from tests.functional.common.models import build_model, unit_classes
-from tests.functional.test_mesh_support import seed_kwargs, seed_mesh
 
 pytestmark = pytest.mark.distributed(world_size=4, timeout=300)
 

@@ -33,7 +33,8 @@ import pytest
 import torch
 
 from tests.functional.common.models import build_model
-from tests.functional.common.reference import OPTIMIZERS, max_relative_error, train_reference
+from tests.functional.common.numerics import max_loss_error, max_relative_error, model_relative_error
+from tests.functional.common.reference import OPTIMIZERS, train_reference
 from tests.functional.common.training import RunConfig, train_fsdp
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -75,12 +76,6 @@ def _reference(model: str, precision: str, opt: str, global_size: int, steps: in
     return train_reference(module.to(device), model, opt, steps, global_size, main_dtype=torch.float32)
 
 
-def _global_relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
-    num = sum(((actual[n].double() - e.double()) ** 2).sum() for n, e in expected.items())
-    den = sum((e.double() ** 2).sum() for e in expected.values())
-    return float((num / den).sqrt())
-
-
 def _check_case(case: tuple[str, str, str, int, bool], dist_env) -> None:
     strategy, model, precision, micro, meta = case
     for opt in OPTIMIZERS:
@@ -89,14 +84,13 @@ def _check_case(case: tuple[str, str, str, int, bool], dist_env) -> None:
         losses, final, fsdp_model = train_fsdp(cfg, dist_env.device)
         ref_losses, ref_params = _reference(model, precision, opt, dist_env.world_size * cfg.local_batch,
                                             cfg.steps, str(dist_env.device), meta)
-        assert set(final) == set(ref_params), "parameter names differ from the unwrapped model's"
-        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+        loss_err = max_loss_error(losses, ref_losses)
         if precision == "fp32":
             param_err, where = max_relative_error(final, ref_params)
             assert loss_err <= FP32_RTOL, f"{opt}: losses {losses} vs reference {ref_losses}"
             assert param_err <= FP32_RTOL, f"{opt}: param {where} relative error {param_err:.3g}"
         else:
-            param_err = _global_relative_error(final, ref_params)
+            param_err = model_relative_error(final, ref_params)
             assert loss_err <= BF16_LOSS_RTOL, f"{opt}: losses {losses} vs reference {ref_losses}"
             assert param_err <= BF16_PARAM_RTOL, f"{opt}: whole-model relative error {param_err:.3g}"
         del fsdp_model

@@ -75,16 +75,3 @@ def train_reference(model: nn.Module, model_name: str, opt_kind: str, steps: int
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {n: m.detach().cpu().clone() for n, m in masters}
-
-
-def max_relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
-                       ) -> tuple[float, str]:
-    """Largest per-tensor ``||a - e|| / ||e||`` and the name where it occurs."""
-    worst, where = 0.0, ""
-    for name, e in expected.items():
-        a = actual[name].to(torch.float64)
-        e = e.to(torch.float64)
-        err = ((a - e).norm() / e.norm().clamp_min(1e-12)).item()
-        if err > worst:
-            worst, where = err, name
-    return worst, where

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ContextManager
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from .reference import global_batch, make_optimizer
 
 Microbatch = tuple[Sequence[torch.Tensor], torch.Tensor]  # (model inputs, target) on the device
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Recorder = Callable[[int, int], ContextManager | None]
+Recorder = Callable[[int, int], AbstractContextManager | None]
 
 
 @dataclass
