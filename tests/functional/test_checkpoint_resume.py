@@ -182,29 +182,25 @@ def check_cross_world(saved: Case, saved_world: int, all_saved: list[Case], load
     assert_same_state(final, ref_final, CROSS_RTOL, "after resumed training vs the reference continuation")
 
 
-@pytest.mark.distributed(world_size=4, bucket="ckpt-ws4", timeout=300)
-@pytest.mark.parametrize("case", MATRIX, ids=str)
+def _in_bucket(world: int, timeout: float) -> pytest.MarkDecorator:
+    return pytest.mark.distributed(world_size=world, bucket=f"ckpt-ws{world}", timeout=timeout)
+
+
+SAME_WORLD = ([pytest.param(c, marks=_in_bucket(4, 300), id=f"ws4-{c}") for c in MATRIX]
+              + [pytest.param(c, marks=_in_bucket(2, 300), id=f"ws2-{c}") for c in SAME_ON_2])
+CROSS = {2: (4, CROSS_2_TO_4), 4: (2, CROSS_4_TO_2)}  # saved on -> (loaded on, (saved, loaded) pairs)
+OTHER_WORLD = [pytest.param(saved, saved_on, loaded, marks=_in_bucket(loaded_on, 600),
+                            id=f"ws{saved_on}to{loaded_on}-{saved}-to-{loaded}")
+               for saved_on, (loaded_on, pairs) in CROSS.items() for saved, loaded in pairs]
+
+
+@pytest.mark.parametrize("case", SAME_WORLD)
 def test_resume_is_bit_exact(case: Case, dist_env: Any, shared_tmp_path: Path) -> None:
     check_same_world(case, dist_env, shared_tmp_path)
 
 
-@pytest.mark.distributed(world_size=2, bucket="ckpt-ws2", timeout=300)
-@pytest.mark.parametrize("case", SAME_ON_2, ids=str)
-def test_resume_is_bit_exact_on_2_ranks(case: Case, dist_env: Any, shared_tmp_path: Path) -> None:
-    check_same_world(case, dist_env, shared_tmp_path)
-
-
-@pytest.mark.distributed(world_size=4, bucket="ckpt-ws4", timeout=600)
-@pytest.mark.parametrize("saved,loaded", CROSS_2_TO_4, ids=str)
-def test_resume_2_ranks_checkpoint_on_4_ranks(saved: Case, loaded: Case, dist_env: Any,
-                                              session_shared_tmp_path: Path) -> None:
-    all_saved = sorted({s for s, _ in CROSS_2_TO_4}, key=str)
-    check_cross_world(saved, 2, all_saved, loaded, dist_env, session_shared_tmp_path)
-
-
-@pytest.mark.distributed(world_size=2, bucket="ckpt-ws2", timeout=600)
-@pytest.mark.parametrize("saved,loaded", CROSS_4_TO_2, ids=str)
-def test_resume_4_ranks_checkpoint_on_2_ranks(saved: Case, loaded: Case, dist_env: Any,
-                                              session_shared_tmp_path: Path) -> None:
-    all_saved = sorted({s for s, _ in CROSS_4_TO_2}, key=str)
-    check_cross_world(saved, 4, all_saved, loaded, dist_env, session_shared_tmp_path)
+@pytest.mark.parametrize("saved,saved_world,loaded", OTHER_WORLD)
+def test_resume_checkpoint_of_another_world_size(saved: Case, saved_world: int, loaded: Case, dist_env: Any,
+                                                 session_shared_tmp_path: Path) -> None:
+    all_saved = sorted({s for s, _ in CROSS[saved_world][1]}, key=str)
+    check_cross_world(saved, saved_world, all_saved, loaded, dist_env, session_shared_tmp_path)

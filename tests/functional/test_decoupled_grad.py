@@ -49,6 +49,11 @@ BF16_NORM_RTOL = 1e-2
 BF16_LOSS_RTOL = 2e-3
 
 
+def flag_mismatch_regression(description: str) -> pytest.MarkDecorator:
+    """The regression marker of the optimizer/buffer flag mismatch (two tests guard it)."""
+    return pytest.mark.regression("decoupled-grad-flag-mismatch-silent-no-op", description=description)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 class TestDecoupledGrad:
@@ -176,13 +181,8 @@ class TestRegressions:
         assert norm.item() == pytest.approx(ref_norm.item(), rel=NORM_RTOL)
         assert local_tensor(head_bias.decoupled_grad).numel() == (1 if dist_env.rank == 0 else 0)
 
-    @pytest.mark.regression(
-        "decoupled-grad-flag-mismatch-silent-no-op",
-        description=(
-            "Megatron-FSDP wrote gradients to param.decoupled_grad while the optimizer read "
-            ".grad, so every step was a silent no-op; a mismatch must fail at wrap time"
-        ),
-    )
+    @flag_mismatch_regression("Megatron-FSDP wrote gradients to param.decoupled_grad while the optimizer read "
+                              ".grad, so every step was a silent no-op; a mismatch must fail at wrap time")
     def test_mismatched_flags_fail_at_wrap_time(self, dist_env: Any, world: int) -> None:
         module, _ = build(dist_env)
         with pytest.raises(ValueError, match="decoupled gradients") as info:
@@ -198,13 +198,8 @@ class TestRegressions:
         with pytest.raises(ValueError, match="decoupled gradients"):
             fully_shard_optimizer(torch.optim.Adam(model.parameters(), lr=LR))
 
-    @pytest.mark.regression(
-        "decoupled-grad-flag-mismatch-silent-no-op",
-        description=(
-            "the 'loss must decrease and match the reference' check detects an optimizer that "
-            "sees no gradients (wrap-time check bypassed on purpose)"
-        ),
-    )
+    @flag_mismatch_regression("the 'loss must decrease and match the reference' check detects an optimizer that "
+                              "sees no gradients (wrap-time check bypassed on purpose)")
     def test_loss_check_detects_no_op_optimizer(self, dist_env: Any, world: int) -> None:
         # Healthy run: the check passes.
         model, optimizer, ref = wrap(dist_env, 3)
@@ -212,7 +207,7 @@ class TestRegressions:
         healthy = train_clipped(model, optimizer, dist_env)
         assert loss_check_problem(healthy.losses, ref_trace.losses) is None
         # Mutated run: buffer decoupled, optimizer reading .grad, built directly on the shards so
-        # fully_shard_optimizer's wrap-time check never runs (as in the seed's setup).
+        # fully_shard_optimizer's wrap-time check never runs (as in Megatron-FSDP's failing setup).
         module, _ = build(dist_env)
         model = fully_shard_model(module, fsdp_unit_modules=[nn.Linear], zero_dp_strategy=3,
                                   use_decoupled_grad=True)

@@ -36,16 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_impl.clip_grad import clip_grad_norm
 from fsdp_impl.decoupled import local_tensor, optimizer_reads_decoupled_grad
-from tests.functional.common.decoupled import (
-    MAX_NORM,
-    NORM_RTOL,
-    global_batch,
-    local_batch,
-    loss_check_problem,
-    train_clipped,
-    train_clipped_reference,
-    wrap,
-)
+from tests.functional.common import decoupled
 from tests.functional.common.mesh import data_group, data_position, seed_kwargs, seed_mesh
 from tests.functional.common.numerics import max_loss_error
 
@@ -76,7 +67,7 @@ def _hybrid_setup(env: Any, strategy: int, outer: str) -> tuple[torch.nn.Module,
     mesh = seed_mesh(MESH_SHAPE, env.device.type)
     pos, size = data_position(data_group(mesh, outer))
     assert size == env.world_size, "test setup: all 4 ranks must see different data"
-    model, optimizer, ref = wrap(env, strategy, **seed_kwargs(mesh, outer))
+    model, optimizer, ref = decoupled.wrap(env, strategy, **seed_kwargs(mesh, outer))
     return model, optimizer, ref, _DataSlot(pos, size, env.device)
 
 
@@ -109,7 +100,7 @@ class TestDecoupledGradOuter:
         assert model.param_and_grad_buffer.use_decoupled_grad is True
         assert optimizer_reads_decoupled_grad(optimizer) is True
         shard_ranks = _grad_shard_ranks(seed_mesh(MESH_SHAPE, dist_env.device.type), outer)
-        x, y = local_batch(0, slot)
+        x, y = decoupled.local_batch(0, slot)
         F.mse_loss(model(x), y).backward()
         owned = 0
         for name, p in model.named_parameters():
@@ -135,32 +126,32 @@ class TestDecoupledGradOuter:
 
     def test_clip_norm_matches_reference(self, dist_env: Any, strategy: int, outer: str) -> None:
         model, _, ref, slot = _hybrid_setup(dist_env, strategy, outer)
-        x, y = local_batch(0, slot)
+        x, y = decoupled.local_batch(0, slot)
         F.mse_loss(model(x), y).backward()
-        gx, gy = global_batch(0, slot.world_size, dist_env.device)
+        gx, gy = decoupled.global_batch(0, slot.world_size, dist_env.device)
         F.mse_loss(ref(gx), gy).backward()
-        norm = clip_grad_norm(model, MAX_NORM).item()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item()
-        assert ref_norm > MAX_NORM, "test setup: the reference must actually clip"
+        norm = clip_grad_norm(model, decoupled.MAX_NORM).item()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), decoupled.MAX_NORM).item()
+        assert ref_norm > decoupled.MAX_NORM, "test setup: the reference must actually clip"
         norms = _same_on_all_ranks(norm, dist_env.device)
         assert all(n == norm for n in norms), f"ranks disagree on the norm: {norms}"
         print(f"[measure] {strategy}/{outer} norm rel err {max_loss_error([norm], [ref_norm]):.3e}")
-        assert norm == pytest.approx(ref_norm, rel=NORM_RTOL)
+        assert norm == pytest.approx(ref_norm, rel=decoupled.NORM_RTOL)
         for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
             full = p.decoupled_grad.full_tensor()
-            torch.testing.assert_close(full, r.grad, rtol=NORM_RTOL, atol=1e-7, msg=f"clipped grad of {name}")
+            torch.testing.assert_close(full, r.grad, rtol=decoupled.NORM_RTOL, atol=1e-7, msg=f"clipped grad of {name}")
 
     def test_losses_match_reference(self, dist_env: Any, strategy: int, outer: str) -> None:
         model, optimizer, ref, slot = _hybrid_setup(dist_env, strategy, outer)
-        trace = train_clipped(model, optimizer, slot)
-        ref_trace = train_clipped_reference(ref, slot)
+        trace = decoupled.train_clipped(model, optimizer, slot)
+        ref_trace = decoupled.train_clipped_reference(ref, slot)
         for got, want in ((trace.norms, ref_trace.norms), (trace.losses, ref_trace.losses)):
             print(f"[measure] {strategy}/{outer} max rel err {max_loss_error(got, want):.3e}")
-        assert trace.norms == pytest.approx(ref_trace.norms, rel=NORM_RTOL), "clipped norms per step"
+        assert trace.norms == pytest.approx(ref_trace.norms, rel=decoupled.NORM_RTOL), "clipped norms per step"
         for step, norm in enumerate(trace.norms):
             norms = _same_on_all_ranks(norm, dist_env.device)
             assert all(n == norm for n in norms), f"step {step}: ranks disagree on the norm: {norms}"
-        problem = loss_check_problem(trace.losses, ref_trace.losses)
+        problem = decoupled.loss_check_problem(trace.losses, ref_trace.losses)
         assert problem is None, problem
 
 
@@ -169,10 +160,10 @@ def test_wrong_data_split_is_detected(dist_env: Any) -> None:
     dp_outer replicas are wrongly fed the same data), the run leaves the reference's tolerance."""
     model, optimizer, ref, slot = _hybrid_setup(dist_env, 3, "no_shard")
     wrong = _DataSlot(0, slot.world_size, slot.device)
-    trace = train_clipped(model, optimizer, wrong)
-    ref_trace = train_clipped_reference(ref, slot)
+    trace = decoupled.train_clipped(model, optimizer, wrong)
+    ref_trace = decoupled.train_clipped_reference(ref, slot)
     print(f"[measure] wrong split max rel err {max_loss_error(trace.losses, ref_trace.losses):.3e}")
-    assert trace.norms[0] != pytest.approx(ref_trace.norms[0], rel=NORM_RTOL), "norm blind to the split"
-    problem = loss_check_problem(trace.losses, ref_trace.losses)
+    assert trace.norms[0] != pytest.approx(ref_trace.norms[0], rel=decoupled.NORM_RTOL), "norm blind to the split"
+    problem = decoupled.loss_check_problem(trace.losses, ref_trace.losses)
     assert problem is not None, f"the detector missed a wrong data split: losses {trace.losses}"
     assert "differs from the reference" in problem or "did not decrease" in problem

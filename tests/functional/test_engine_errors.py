@@ -1,5 +1,5 @@
 """Bad input to fully_shard fails early with a message naming the argument and allowed values;
-features of later issues raise NotImplementedError instead of being silently ignored."""
+features not implemented yet raise NotImplementedError instead of being silently ignored."""
 from __future__ import annotations
 
 import pytest
@@ -137,7 +137,7 @@ def test_meta_module_without_reset_parameters(dist_env) -> None:
     (dict(cuda_graph_mode=True), r"cuda_graph_mode=True is not implemented yet"),
     (dict(keep_fp8_transpose_cache=True), r"keep_fp8_transpose_cache=True .* is not implemented yet"),
 ])
-def test_later_issue_features_raise_not_implemented(kwargs, match, dist_env) -> None:
+def test_unimplemented_features_raise_not_implemented(kwargs, match, dist_env) -> None:
     with pytest.raises(NotImplementedError, match=match):
         fully_shard(*_cnn_and_adam(), **kwargs)
 

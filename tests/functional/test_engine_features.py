@@ -1,4 +1,4 @@
-"""Engine behaviours beyond plain parity (issue 3): gradient accumulation, uneven / tiny / empty
+"""Engine behaviours beyond plain parity: gradient accumulation, uneven / tiny / empty
 shards, frozen and tied params, meta init, optimizer param groups, dtypes, decoupled grads,
 NaN reporting, flattened mesh dims and torch.compile. Every check compares numbers with an
 independent reference (single-process model, the eager-initialised model, closed forms)."""
@@ -31,8 +31,9 @@ def _reference_grads(model: nn.Module, name: str, global_size: int) -> dict:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_accumulation_grads_absent_until_sync_then_present_everywhere(strategy, dist_env) -> None:
-    """Seed 004's check plus: after the sync backward every rank that owns a non-empty shard has a
-    non-zero grad, and the accumulated grads equal the full-batch reference grads."""
+    """Megatron-FSDP's fully_shard test's check plus: after the sync backward every rank that
+    owns a non-empty shard has a non-zero grad, and the accumulated grads equal the full-batch
+    reference grads."""
     rank, world, micro, per_rank = dist_env.rank, dist_env.world_size, 3, 3
     expected = _reference_grads(build_model("cnn", seed=0), "cnn", world * per_rank)
     module = build_model("cnn", seed=0)
@@ -168,7 +169,7 @@ def test_optimizer_param_groups_preserved_and_first_step_is_step_one(dist_env) -
 
 
 def test_custom_dtypes_and_mixed_precision_context(dist_env) -> None:
-    """Seed 004's custom-dtype check: buffer dtypes follow the policy; grads reach the fp64 main
+    """Megatron-FSDP's fully_shard test's custom-dtype check: buffer dtypes follow the policy; grads reach the fp64 main
     params as a cast copy; grad comm dtype can change per scope; values match the reference."""
     module = build_model("transformer", seed=0)
     expected = _reference_grads(build_model("transformer", seed=0), "transformer", dist_env.world_size)
@@ -296,7 +297,7 @@ def test_zero3_prefetches_next_unit_all_gather(dist_env, monkeypatch) -> None:
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
 def test_zero_grad_keep_views_trains_like_reference(strategy, dist_env) -> None:
     """``zero_grad(set_to_none=False)`` keeps every ``.grad`` a view of the grad buffer across
-    steps (what the CUDA-graph issue needs) and training still matches the reference."""
+    steps (what CUDA-graph capture needs) and training still matches the reference."""
     rank, world = dist_env.rank, dist_env.world_size
     module = build_model("cnn", seed=0)
     model, opt = fully_shard(module, make_optimizer("sgd", module.named_parameters()),

@@ -1,4 +1,4 @@
-"""Seed 004 (Megatron-FSDP's fully_shard test) ported to CPU: the same call signature (4-D mesh
+"""Megatron-FSDP's fully_shard test ported to CPU: the same call signature (4-D mesh
 with flattened dp_shard_cp, size-1 tp dim, nn.Transformer / CNN units, meta init + compile +
 fp32 main params, or none of them), the same accumulation check (grads absent before the sync
 microbatch, present after), plus a numeric check: after the step the params equal a

@@ -1,4 +1,4 @@
-"""The seed's ``test_fully_shard`` matrix (shared/seeds/004), ported with numbers checked (issue 4).
+"""Megatron-FSDP's ``test_fully_shard`` matrix (the "seed" test), ported with numbers checked.
 
 model {CNN, Transformer, TE Transformer} x dp_shard strategy {0..3} x dp_outer {None, no_shard,
 optim} x mesh (dp_outer, dp_shard, cp, tp) {(2,2,2,1), (1,2,2,2), (2,2,1,2)} x {fp32 main params
@@ -26,7 +26,7 @@ Deviations from the seed, all for determinism or CPU speed: the toy Transformer 
 too; inductor compiles C++ per graph and per rank, too slow with 8 ranks on 2 cores) and
 ``inductor`` on CUDA.
 
-CPU cost (issue 4: under 15 min on 2 cores). The whole matrix is one 8-rank bucket, so start-up is
+CPU cost (the budget: under 15 min on 2 cores). The whole matrix is one 8-rank bucket, so start-up is
 paid once: runnable cases come first and skipped ones last, because the harness restarts a bucket
 whenever the next item is skip-marked. Per rank process, meshes are cached (common/mesh.py), the
 single-process reference run is cached per (model, data group size, bit-identical initial params)

@@ -1,4 +1,4 @@
-"""Bad mesh input fails early with a message naming the argument and allowed values (issue 4):
+"""Bad mesh input fails early with a message naming the argument and allowed values:
 missing dims, a mesh that does not cover the world, dp_outer_dim / hybrid_fsdp_group given
 alone, a hybrid group of the wrong size, outer 'optim' with an inner strategy other than 3, and
 DTensor tensor-parallel params without a tp_dim or on a mesh that is not the tp dim. Also

@@ -136,7 +136,7 @@ def train_clipped_reference(ref: nn.Module, env: Any, steps: int = STEPS) -> Tra
 def loss_check_problem(losses: list[float], reference: list[float], rtol: float = LOSS_RTOL) -> str | None:
     """Why a run's losses fail "must decrease and match the reference", or None if they pass.
 
-    This is the detector for the silent no-op step (seed 2): a run whose optimizer never sees a
+    This is the detector for the silent no-op step: a run whose optimizer never sees a
     gradient keeps its initial loss, so it neither decreases nor follows the reference.
     """
     if len(losses) != len(reference):

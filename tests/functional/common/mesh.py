@@ -1,7 +1,7 @@
 """Device meshes for the mesh-shape suites (``test_mesh_*.py``, ``test_fully_shard_matrix.py``,
 ``test_decoupled_grad_outer.py``), and comparisons of sharded params with a reference.
 
-Meshes follow the seed's ``build_distributed_environment``: dims
+Meshes follow Megatron-FSDP's test (the "seed" test) ``build_distributed_environment``: dims
 ``(dp_outer, dp_shard, cp, tp)`` with the flattened ``dp`` (outer x shard), ``dp_shard_cp``
 (shard x cp) and ``hsdp`` (outer x shard x cp) dims. Building a mesh creates process groups (a
 collective on every rank, slow on gloo with 8 ranks), so each rank process caches one mesh per

@@ -7,8 +7,8 @@ submodules are registered in construction order), so one seed gives identical we
 target)`` for ``n`` samples and ``loss_fn(name)`` is its loss. All losses are means over samples,
 so averaging per-rank grads equals the full-batch grad.
 
-``ToyCNN`` and ``ToyTransformer`` are the Megatron seed test's own toy models (``build_toy``),
-used by the suites that port that test call for call.
+``ToyCNN`` and ``ToyTransformer`` are the toy models of Megatron-FSDP's ``fully_shard`` test (the
+"seed" test; ``build_toy``), used by the suites that port that test call for call.
 """
 from __future__ import annotations
 
