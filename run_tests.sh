@@ -45,12 +45,13 @@ fi
 
 # The whole suite, split so that the CPU L0 tier (tests/unit + the known-bug regression tests,
 # with its sign-off report in $OUT/signoff.md) runs exactly as launch_scripts/cpu runs it,
-# followed by the rest of tests/functional.
+# followed by the rest of tests/functional: what L0 leaves out of it ("regression and not
+# slow"), i.e. every other test, slow ones included.
 rc=0
 HARNESS_OUT_DIR="$OUT" bash launch_scripts/run_tier.sh L0 --gen cpu || rc=$?
 echo "[run_tests] L0 tier (cpu) exit status $rc; sign-off report: $OUT/signoff.md"
 set +e
-python -m pytest tests/functional -m "not regression" -q -rfEs --junitxml="$OUT/functional.xml"
+python -m pytest tests/functional -m "not regression or slow" -q -rfEs --junitxml="$OUT/functional.xml"
 frc=$?
 set -e
 if [ "$frc" -eq 5 ]; then

@@ -28,7 +28,6 @@ from tests.functional.common.mesh_checks import (
 pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
 
 HSDP_4 = (2, 2, 1, 1)  # (dp_outer, dp_shard, cp, tp) of the 4-rank cases
-ADAM_PARAM_RTOL = 1e-4  # Adam divides by sqrt(v): fp32 summation-order noise grows to ~1e-5 here
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
@@ -43,8 +42,8 @@ def test_hfsdp_parity_and_traffic(name: str, dist_env) -> None:
 
 
 def test_hsdp_adam_accumulation_matches_reference(dist_env) -> None:
-    """Adam as the seed uses it (outer no_shard, inner ZeRO-3): losses and params."""
+    """Adam as Megatron-FSDP's test uses it (outer no_shard, inner ZeRO-3): losses and params
+    (measured: losses equal, params within 8.8e-8)."""
     mesh, model, opt = hsdp_wrap("cnn", 3, "no_shard", dist_env.device, HSDP_4, opt_kind="adam")
     losses = hsdp_train("cnn", model, opt, mesh, dist_env.device)
-    assert_parity(losses, full_params(model), *hsdp_reference("cnn", dist_env.device, "adam"),
-                  param_rtol=ADAM_PARAM_RTOL)
+    assert_parity(losses, full_params(model), *hsdp_reference("cnn", dist_env.device, "adam"))

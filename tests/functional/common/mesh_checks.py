@@ -33,11 +33,11 @@ Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 
 
 def assert_parity(losses: list[float], final: dict[str, torch.Tensor], ref_losses: list[float],
-                  ref_params: dict[str, torch.Tensor], param_rtol: float = RTOL) -> None:
-    """Per-step losses within ``RTOL`` and every final param within ``param_rtol`` (relative)."""
+                  ref_params: dict[str, torch.Tensor]) -> None:
+    """Per-step losses and every final param within ``RTOL`` (relative)."""
     assert_losses_close(losses, ref_losses, RTOL)
     err, where = max_relative_error(final, ref_params)
-    assert err <= param_rtol, f"param {where}: relative error {err:.3g} > {param_rtol}"
+    assert err <= RTOL, f"param {where}: relative error {err:.3g} > {RTOL}"
 
 
 def train_reference(build: Callable[[], nn.Module], batch: Callable[[int, int], Batch], loss: Callable,
