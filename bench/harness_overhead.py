@@ -102,8 +102,9 @@ def bench_harness(tmp: pathlib.Path, ws: int, n: int) -> dict[str, float]:
     env["PYTHONPATH"] = os.pathsep.join([str(tmp), str(REPO), env.get("PYTHONPATH", "")])
     env["BENCH_TIMING_OUT"] = str(out)
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(tmp / "test_bench_harness.py"), "-q", "-p", "no:cacheprovider",
-                           "-p", "bench_timing", "--harness-backend=cpu", *_harness_plugin_args()],
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(tmp / "test_bench_harness.py"), "-q",
+                           "-p", "no:cacheprovider", "-p", "bench_timing", "--harness-backend=cpu",
+                           *_harness_plugin_args()],
                           cwd=tmp, env=env, capture_output=True, text=True)
     total = time.time() - t0
     if proc.returncode != 0:

@@ -1,11 +1,11 @@
-"""fsdp_impl: a fully sharded data parallel engine for PyTorch (see README.md)."""
+"""fsdp_impl: a fully sharded data parallel engine for PyTorch (see README.md).
+
+``import fsdp_impl`` also makes ``fsdp_impl.optim`` (the decoupled-grad optimizers) available.
+"""
+from . import optim
 from .api import fully_shard, fully_shard_model, fully_shard_optimizer
+from .clip_grad import clip_grad_norm
 from .policy import MixedPrecisionPolicy
 
-try:  # written by the clip-grad helper
-    from .clip_grad import clip_grad_norm
-except ImportError:  # pragma: no cover
-    pass
-
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer", "MixedPrecisionPolicy",
-           "clip_grad_norm"]
+           "clip_grad_norm", "optim"]

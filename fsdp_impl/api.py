@@ -5,8 +5,9 @@ early and identically on every rank with a message naming the argument and the a
 """
 from __future__ import annotations
 
+import logging
 import weakref
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,20 +19,27 @@ from .decoupled import check_decoupled_grad_consistency
 from .device import CommStreams, pick_device
 from .discovery import UnitSpec, assign_params, find_unit_modules, resolve_unit_classes
 from .engine import FSDPEngine
+from .grad_reduce import OuterGradReducer, two_level_groups
 from .hooks import register_hooks
-from .hybrid import OuterGradReducer, attach_tp_specs, resolve_parallel_dims, two_level_groups
 from .mesh import DistIndex, build_mesh, submesh
 from .meta_init import materialise, sync_rng_from_rank0
 from .module import FullyShardedModule
-from .optimizer import attach_engines, remap_optimizer_params
+from .optimizer_binding import ENGINE_REF_ATTR, attach_engines, remap_optimizer_params
+from .parallel_dims import ParallelDims, attach_tp_specs, resolve_parallel_dims
+from .param import ManagedParam
 from .policy import MixedPrecisionPolicy, ShardingStrategy, parse_strategy
 from .unit import FSDPUnit, UnitContext
 
-Strategy = Union[str, int]
+logger = logging.getLogger(__name__)
+
+Strategy = str | int
+
+# fully_shard_model's default policy (fp32 main params); frozen, so one shared instance is safe.
+DEFAULT_MIXED_PRECISION_POLICY = MixedPrecisionPolicy()
 
 
-def _not_implemented(what: str, issue: str) -> NotImplementedError:
-    return NotImplementedError(f"{what} is not implemented yet ({issue})")
+def _not_implemented(what: str, unsupported: str, allowed: str) -> NotImplementedError:
+    return NotImplementedError(f"{what} is not implemented yet: {unsupported} is not supported; {allowed}")
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -40,8 +48,8 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_dim: str | None,
-              hybrid_fsdp_group: Any, strategy: ShardingStrategy, outer: ShardingStrategy,
-              meta_init: bool, policy: Any, flags: dict[str, Any]) -> None:
+              strategy: ShardingStrategy, outer: ShardingStrategy, meta_init: bool, policy: Any,
+              flags: dict[str, Any]) -> None:
     """Checks that need the mesh; raise before anything is allocated."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -59,9 +67,12 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_
         raise ValueError(f"outer_dp_sharding_strategy='optim'/1 requires zero_dp_strategy="
                          f"'optim_grads_params'/3, got zero_dp_strategy={strategy.name.lower()!r}/{int(strategy)}")
     if flags["cuda_graph_mode"]:
-        raise _not_implemented("cuda_graph_mode=True", "CUDA-graph issue")
+        raise _not_implemented("cuda_graph_mode=True", "capturing the FSDP hooks and collectives in CUDA graphs",
+                               "pass cuda_graph_mode=False")
     if flags["keep_fp8_transpose_cache"]:
-        raise _not_implemented("keep_fp8_transpose_cache=True (FP8 parameters)", "FP8 issue")
+        raise _not_implemented("keep_fp8_transpose_cache=True (FP8 parameters)",
+                               "keeping an FP8 transpose cache of the sharded params",
+                               "pass keep_fp8_transpose_cache=False")
     if meta_init and strategy == ShardingStrategy.NO_SHARD:
         raise ValueError("init_model_with_meta_device=True is not supported with zero_dp_strategy="
                          "'no_shard'/0 (every rank would hold the whole model anyway); allowed "
@@ -69,14 +80,14 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_
 
 
 def _shard_units(module: nn.Module, units: list[FSDPUnit], unit_modules: list[nn.Module],
-                 groups: list, ctx: UnitContext, meta_init: bool) -> None:
+                 groups: list[list[ManagedParam]], ctx: UnitContext, meta_init: bool) -> None:
     """Fill every unit's weight buffer (materialising meta tensors unit by unit if asked)."""
     has_meta = any(p.orig.is_meta for g in groups for p in g) or any(b.is_meta for b in module.buffers())
     if has_meta and not meta_init:
         raise ValueError("module has tensors on the meta device; pass init_model_with_meta_device=True "
                          "to materialise them, or build the module on a real device")
     if meta_init:
-        sync_rng_from_rank0(ctx.device, dist.group.WORLD)  # outer/TP/CP replicas init alike too
+        sync_rng_from_rank0(ctx.device, None)  # the whole world: outer/TP/CP replicas init alike too
         materialise(module, groups, unit_modules, ctx.device, lambda i: units[i].shard_from_module())
         return
     for sub in module.modules():
@@ -98,7 +109,7 @@ def fully_shard_model(
     zero_dp_strategy: Strategy = 3,
     outer_dp_sharding_strategy: Strategy = 0,
     init_model_with_meta_device: bool = False,
-    mixed_precision_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    mixed_precision_policy: MixedPrecisionPolicy = DEFAULT_MIXED_PRECISION_POLICY,
     sync_model_each_microbatch: bool = True,
     report_nan_in_param_grad: bool = False,
     use_decoupled_grad: bool = False,
@@ -115,8 +126,8 @@ def fully_shard_model(
                  cuda_graph_mode=cuda_graph_mode, keep_fp8_transpose_cache=keep_fp8_transpose_cache)
     classes = resolve_unit_classes(fsdp_unit_modules)
     mesh, shard_mesh = build_mesh(device_mesh, dp_shard_dim)
-    _validate(module, mesh, dp_outer_dim, tp_dim, hybrid_fsdp_group, strategy, outer,
-              init_model_with_meta_device, mixed_precision_policy, flags)
+    _validate(module, mesh, dp_outer_dim, tp_dim, strategy, outer, init_model_with_meta_device,
+              mixed_precision_policy, flags)
     dims = resolve_parallel_dims(mesh, shard_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group,
                                  strategy, outer)
     shard_mesh = dims.shard_mesh  # HFSDP: the hybrid group; else the dp_shard_dim sub-mesh
@@ -125,29 +136,43 @@ def fully_shard_model(
     groups = assign_params(module, [name for name, _ in found])
     attach_tp_specs(groups, dims)
     device = pick_device(mesh)
-    inner_group, outer_group = two_level_groups(dims, device)
     ctx = UnitContext(strategy=strategy, shard_mesh=shard_mesh, group=group, plan=dims.plan,
                       rank=dist.get_rank(group), world=dist.get_world_size(group), device=device,
                       policy=mixed_precision_policy, streams=CommStreams(device),
-                      inner_group=inner_group, outer_group=outer_group)
+                      two_level=two_level_groups(dims, device))
     names = [name for name, _ in found] + [""]
     all_units = [FSDPUnit(name or "<root>", group, ctx) for name, group in zip(names, groups, strict=True)]
     unit_modules = [m for _, m in found]
     _shard_units(module, all_units, unit_modules, groups, ctx, init_model_with_meta_device)
     keep = [i for i, u in enumerate(all_units[:-1]) if u.params]  # units whose params all went to root
     units = [all_units[i] for i in keep] + [all_units[-1]]
+    outer_reducer = OuterGradReducer(dims.hsdp_reduce_group) if dims.hsdp_reduce_group is not None else None
     engine = FSDPEngine(units, all_units[-1], ctx, sync_model_each_microbatch, use_decoupled_grad,
-                        report_nan_in_param_grad)
+                        report_nan_in_param_grad, outer_reducer)
     handles = register_hooks(engine, [unit_modules[i] for i in keep] + [module])
     buffer = ParamAndGradBuffer([u.group for u in units], use_decoupled_grad)
-    if dims.outer_reduce:
-        engine.outer_reducer = OuterGradReducer(dims.outer_group)
     dist_index = DistIndex(mesh, dims.inner_mesh, dims.outer_group, dims.hybrid_group, dims.tp_group)
     wrapper = FullyShardedModule(module, engine, buffer, dist_index, handles)
     for unit in units:
         for p in unit.params:
-            p.sharded._fsdp_engine_ref = weakref.ref(engine)
+            setattr(p.sharded, ENGINE_REF_ATTR, weakref.ref(engine))  # what fully_shard_optimizer finds
+    if logger.isEnabledFor(logging.DEBUG):
+        _log_wrap(engine, dims)
     return wrapper
+
+
+def _log_wrap(engine: FSDPEngine, dims: ParallelDims) -> None:
+    """Debug summary of a wrap: strategy, groups, and per unit its params and shard sizes."""
+    ctx = engine.ctx
+    logger.debug("fully_shard: strategy=%s, shard group rank %d of %d on %s, HSDP outer reduce=%s, "
+                 "HFSDP two-level reduce=%s, tp=%s, %d units", ctx.strategy.name.lower(), ctx.rank,
+                 ctx.world, ctx.device, dims.hsdp_reduce_group is not None, ctx.two_level is not None,
+                 dims.tp_dim if dims.tp_group is not None else None, len(engine.units))
+    for unit in engine.units:
+        grad_numel = unit.grad.layout.segment_numel if unit.grad is not None else 0
+        logger.debug("fully_shard unit %r: %d params (%d trainable), weight shard %d x %s, grad shard %d x %s",
+                     unit.name, len(unit.params), len(unit.trainable), unit.weight.layout.segment_numel,
+                     unit.dtypes.main_params, grad_numel, unit.dtypes.main_grads)
 
 
 def _param_mapping(model: FullyShardedModule) -> dict[int, nn.Parameter]:
@@ -189,7 +214,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
     engines: list[FSDPEngine] = []
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
-            ref = getattr(p, "_fsdp_engine_ref", None)
+            ref = getattr(p, ENGINE_REF_ATTR, None)
             engine = ref() if ref is not None else None
             if engine is None:
                 raise ValueError(f"optimizer param group {gi} holds a parameter of shape {tuple(p.shape)} "

@@ -5,8 +5,7 @@ sums: ``sum |g|^p`` (or ``max |g|`` for the inf norm) over local shards, all-red
 mesh dims where the gradient is sharded (replicated dims hold copies, so they are counted once).
 Collectives are issued group by group in the order the parameters are given, which is the same
 on every rank. Params without a gradient are skipped (grad presence is the same on every rank of
-a DTensor) and None is never handed to a kernel: that is the Megatron-FSDP segfault this module
-exists to avoid.
+a DTensor) and None is never handed to a kernel (a fused norm kernel given None segfaults).
 """
 
 from __future__ import annotations

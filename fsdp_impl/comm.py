@@ -1,31 +1,35 @@
-"""Thin wrappers over the collectives the engine issues, so every call site names the group
-and the same ops run on gloo (CPU) and NCCL (GPU)."""
+"""Thin wrappers over the collectives the engine issues, so every call site names the group,
+the same ops run on gloo (CPU) and NCCL (GPU), and every collective shows up in profiler traces
+under an ``FSDP::`` label."""
 from __future__ import annotations
 
 import warnings
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 
 def all_gather(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Gather equal-sized ``local`` segments of every rank into ``output`` (rank-major)."""
-    with warnings.catch_warnings():  # torch 2.13 renames it; 2.11 has only this name
-        warnings.simplefilter("ignore", FutureWarning)
+    with record_function("FSDP::all_gather"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 renames it; 2.11 has only this name
         dist.all_gather_into_tensor(output, local, group=group)
 
 
 def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Average ``full`` over ranks and keep this rank's segment in ``output``."""
-    with warnings.catch_warnings():
+    with record_function("FSDP::reduce_scatter"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, group=group)
 
 
 def all_reduce_avg(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
+    with record_function("FSDP::all_reduce"):
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """MAX over ``group`` (``None``: the default group, i.e. every rank)."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    with record_function("FSDP::all_reduce"):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)

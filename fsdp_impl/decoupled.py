@@ -2,13 +2,13 @@
 
 With ``use_decoupled_grad=True`` the FSDP engine stores each synced gradient shard on
 ``param.decoupled_grad`` (in the main-grads dtype, uncast) and leaves ``param.grad`` as None, so a
-precision-aware optimizer can read low-precision gradients without autograd casting them. Two
-real Megatron-FSDP failures came from the three parties disagreeing:
+precision-aware optimizer can read low-precision gradients without autograd casting them. When
+the three parties (model, optimizer, grad clipping) disagree on the attribute:
 
-* grad clipping read ``decoupled_grad`` while it was None and handed None to a fused kernel
+* grad clipping reads ``decoupled_grad`` while it is None and hands None to a fused kernel
   (segfault);
-* the buffer wrote ``decoupled_grad`` while the optimizer read ``.grad`` (None), so every step
-  was a silent no-op and training did not converge.
+* the buffer writes ``decoupled_grad`` while the optimizer reads ``.grad`` (None), so every step
+  is a silent no-op and training does not converge.
 
 This module is the single place that answers "which attribute holds the gradient" and checks,
 at wrap time, that model and optimizer agree.
@@ -17,19 +17,18 @@ at wrap time, that model and optimizer agree.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-
-try:  # public since torch 2.5; the private path keeps older builds importable
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - old torch only
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "DECOUPLED_GRAD_ATTR",
+    "DeclaresDecoupledGrad",
     "check_decoupled_grad_consistency",
     "clear_grad",
+    "clear_grads",
     "grad_attr_name",
     "local_tensor",
     "optimizer_reads_decoupled_grad",
@@ -77,6 +76,12 @@ def clear_grad(param: torch.Tensor, use_decoupled_grad: bool, set_to_none: bool)
         local_tensor(grad).zero_()
 
 
+def clear_grads(params: Iterable[torch.Tensor], use_decoupled_grad: bool, set_to_none: bool) -> None:
+    """``clear_grad`` for each of ``params``."""
+    for param in params:
+        clear_grad(param, use_decoupled_grad, set_to_none)
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The rank-local storage of a DTensor (a view, updatable in place), else the tensor itself.
 
@@ -86,6 +91,16 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         return tensor._local_tensor
     return tensor
+
+
+@runtime_checkable
+class DeclaresDecoupledGrad(Protocol):
+    """An optimizer that states which attribute it reads: ``use_decoupled_grad`` True means
+    ``param.decoupled_grad``, False ``param.grad`` (``fsdp_impl.optim`` optimizers, TE
+    ``FusedAdam``). Declared structurally so this module needs no import of any optimizer."""
+
+    @property
+    def use_decoupled_grad(self) -> bool: ...
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:
@@ -108,7 +123,7 @@ def _te_fused_adam_type() -> type | None:
     if "transformer_engine" not in sys.modules:
         return None
     try:
-        from transformer_engine.pytorch.optimizers import FusedAdam  # type: ignore[import-not-found]
+        from transformer_engine.pytorch.optimizers import FusedAdam
     except ImportError:
         return None
     return FusedAdam
@@ -117,27 +132,24 @@ def _te_fused_adam_type() -> type | None:
 def optimizer_reads_decoupled_grad(optimizer: Any) -> bool:
     """Whether ``optimizer`` reads ``param.decoupled_grad`` (True) or ``param.grad`` (False).
 
-    * ``fsdp_impl.optim`` optimizers: their ``use_decoupled_grad`` flag;
-    * TransformerEngine ``FusedAdam``: its ``use_decoupled_grad`` attribute;
+    * TransformerEngine ``FusedAdam``: its ``use_decoupled_grad`` attribute (truthiness);
     * ``torch.optim`` optimizers: False (they only know ``.grad``);
-    * anything else: its ``use_decoupled_grad`` attribute when that is a bool, else False.
+    * anything else, e.g. ``fsdp_impl.optim`` optimizers: its ``use_decoupled_grad`` attribute
+      when that is a bool (``DeclaresDecoupledGrad``), else False.
 
     Wrapped optimizers are looked through via their ``.optimizer`` attribute.
     """
     if optimizer is None:
         raise TypeError("optimizer must be an optimizer object, got None")
-    from fsdp_impl.optim import Adam  # local import: fsdp_impl.optim imports this module
-
     inner = _unwrap_optimizer(optimizer)
-    if isinstance(inner, Adam):
-        return inner.use_decoupled_grad
     te_fused_adam = _te_fused_adam_type()
     if te_fused_adam is not None and isinstance(inner, te_fused_adam):
         return bool(getattr(inner, "use_decoupled_grad", False))
     if type(inner).__module__.startswith("torch.optim"):
         return False
-    flag = getattr(inner, "use_decoupled_grad", None)
-    return flag if isinstance(flag, bool) else False
+    if isinstance(inner, DeclaresDecoupledGrad) and isinstance(inner.use_decoupled_grad, bool):
+        return inner.use_decoupled_grad
+    return False
 
 
 def check_decoupled_grad_consistency(model_uses_decoupled: bool, optimizer: Any) -> None:

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Optional
 
 import torch.nn as nn
 
 from .param import ManagedParam
 
-UnitSpec = Optional[Sequence[str | type[nn.Module]]]
+UnitSpec = Sequence[str | type[nn.Module]] | None
 
 
 def resolve_unit_classes(spec: UnitSpec) -> tuple[type[nn.Module], ...]:

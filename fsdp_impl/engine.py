@@ -9,9 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from . import comm
+from .grad_reduce import OuterGradReducer
 from .param import ManagedParam
 from .policy import ShardingStrategy
 from .unit import FSDPUnit, UnitContext
@@ -21,20 +23,19 @@ class FSDPEngine:
     """Drives the units of one model through forward, backward and grad sync."""
 
     def __init__(self, units: list[FSDPUnit], root: FSDPUnit, ctx: UnitContext, sync: bool,
-                 use_decoupled_grad: bool, report_nan: bool) -> None:
+                 use_decoupled_grad: bool, report_nan: bool,
+                 outer_reducer: OuterGradReducer | None = None) -> None:
         self.units = units  # fixed order, identical on every rank; root is last
-        for i, unit in enumerate(units):
-            unit.index = i
         self.root = root
         self.ctx = ctx
         self.sync = sync
         self.use_decoupled_grad = use_decoupled_grad
         self.report_nan = report_nan
-        # HSDP: averages grads across dp_outer once per cycle (fsdp_impl.hybrid.OuterGradReducer)
-        self.outer_reducer: Any | None = None
+        self.outer_reducer = outer_reducer  # HSDP: averages grads across dp_outer once per cycle
         self.comm_dtype_override: torch.dtype | None = None
         self._callback_queued = False
-        self._stale: list[bool] = [True] * len(units)
+        # ZeRO-0/1/2: units whose compute params must be rebuilt before their forward
+        self._stale: dict[FSDPUnit, bool] = dict.fromkeys(units, True)
         # Non-root units in the order their forwards ran: this iteration's (for backward
         # prefetch) and the previous one's (for forward prefetch). Identical on all ranks as long
         # as the model's control flow is, which keeps the prefetch collectives in lockstep.
@@ -53,9 +54,13 @@ class FSDPEngine:
             flags = torch.tensor(changed, dtype=torch.int32, device=self.ctx.device)
             comm.all_reduce_max(flags, self.ctx.group)
             changed = [bool(x) for x in flags.tolist()]
-        self._stale = changed
+        self._stale = dict(zip(self.units, changed, strict=True))
 
     def pre_forward(self, unit: FSDPUnit) -> None:
+        with record_function("FSDP::pre_forward"):
+            self._pre_forward(unit)
+
+    def _pre_forward(self, unit: FSDPUnit) -> None:
         zero3 = self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
         if unit is self.root:
             if zero3:  # a forward without backward (eval) may have left units gathered/prefetched
@@ -70,13 +75,17 @@ class FSDPEngine:
         if zero3:
             unit.unshard()
             self._prefetch_after(unit, self._prev_order, +1)
-        elif self._stale[unit.index]:
+        elif self._stale[unit]:
             unit.refresh()
-            self._stale[unit.index] = False
+            self._stale[unit] = False
         unit.swap_in()
 
     def post_forward(self, unit: FSDPUnit, output: Any) -> None:
         """Swap the DTensor params back; ZeRO-3 frees non-root units until their backward."""
+        with record_function("FSDP::post_forward"):
+            self._post_forward(unit, output)
+
+    def _post_forward(self, unit: FSDPUnit, output: Any) -> None:
         unit.swap_out()
         if unit is not self.root:
             unit.reshard()
@@ -99,8 +108,9 @@ class FSDPEngine:
     def pre_backward(self, unit: FSDPUnit) -> None:
         self._ensure_callback()
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
-            unit.unshard()
-            self._prefetch_after(unit, self._order, -1)
+            with record_function("FSDP::pre_backward"):
+                unit.unshard()
+                self._prefetch_after(unit, self._order, -1)
 
     @staticmethod
     def _prefetch_after(unit: FSDPUnit, order: list[FSDPUnit], step: int) -> None:
@@ -116,12 +126,17 @@ class FSDPEngine:
         """Post-accumulate-grad hook target: stash the grad; reduce when the unit is complete."""
         self._ensure_callback()
         if unit.accept_grad(param, self.comm_dtype(unit)):
-            unit.reduce_grads(self.sync, self.comm_dtype(unit))
-            if unit is not self.root:
-                unit.reshard()
+            with record_function("FSDP::post_backward"):
+                unit.reduce_grads(self.sync, self.comm_dtype(unit))
+                if unit is not self.root:
+                    unit.reshard()
 
     def finish_backward(self) -> None:
         """End of backward: reduce units whose grads never all arrived, reshard, install grads."""
+        with record_function("FSDP::finish_backward"):
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
         self._callback_queued = False
         for unit in reversed(self.units):
             unit.reduce_grads(self.sync, self.comm_dtype(unit))

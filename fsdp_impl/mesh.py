@@ -1,10 +1,24 @@
 """Device-mesh validation and the process-group index exposed as ``model.dist_index``."""
 from __future__ import annotations
 
+import enum
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .device import default_device_type
+
+
+class MeshDim(str, enum.Enum):
+    """Names of the mesh dims the engine creates itself. (``str, Enum`` rather than
+    ``enum.StrEnum``, which needs Python 3.11.) Pass ``.value`` wherever torch stores or prints
+    the name: a member's ``repr`` is the enum's, not the string's."""
+
+    DP_SHARD = "dp_shard"  # the one dim of the mesh built for device_mesh=None
+    HSDP = "hsdp"  # HFSDP's shard mesh built from a bare hybrid_fsdp_group
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def mesh_dim_names(mesh: DeviceMesh) -> list[str]:
@@ -26,19 +40,20 @@ def submesh(mesh: DeviceMesh, name: str, arg_name: str) -> DeviceMesh:
                          f"{mesh_dim_names(mesh)}") from err
 
 
-def build_mesh(device_mesh: DeviceMesh | None, dp_shard_dim: str | None) -> tuple:
+def build_mesh(device_mesh: DeviceMesh | None, dp_shard_dim: str | None) -> tuple[DeviceMesh, DeviceMesh]:
     """Return ``(mesh, shard_mesh)`` after checking the mesh covers the world."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialised default process group "
                            "(torch.distributed.init_process_group)")
     world = dist.get_world_size()
     if device_mesh is None:
-        if dp_shard_dim is not None and dp_shard_dim != "dp_shard":
+        default = MeshDim.DP_SHARD.value
+        if dp_shard_dim is not None and dp_shard_dim != default:
             raise ValueError(f"dp_shard_dim={dp_shard_dim!r} given without a device_mesh; with "
                              "device_mesh=None the built mesh has one dim: allowed values: "
-                             "['dp_shard', None]")
-        device_mesh = init_device_mesh(default_device_type(), (world,), mesh_dim_names=("dp_shard",))
-        dp_shard_dim = "dp_shard"
+                             f"[{default!r}, None]")
+        device_mesh = init_device_mesh(default_device_type(), (world,), mesh_dim_names=(default,))
+        dp_shard_dim = default
     if not isinstance(device_mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a torch DeviceMesh or None, got {type(device_mesh).__name__}")
     if device_mesh.size() != world:

@@ -27,7 +27,7 @@ def _materialise_direct(module: nn.Module, by_id: dict[int, ManagedParam], devic
     """Give the module's own meta params/buffers real storage; True if anything was meta."""
     touched = False
     with torch.no_grad():
-        for name, param in list(module._parameters.items()):
+        for param in list(module._parameters.values()):
             if param is None or not param.is_meta:
                 continue
             managed = by_id[id(param)]
@@ -42,10 +42,12 @@ def _materialise_direct(module: nn.Module, by_id: dict[int, ManagedParam], devic
     return touched
 
 
-def sync_rng_from_rank0(device: torch.device, group: dist.ProcessGroup) -> None:
-    """Make every rank's init-device RNG equal shard-rank 0's, so all ranks init identically."""
+def sync_rng_from_rank0(device: torch.device, group: dist.ProcessGroup | None) -> None:
+    """Make every rank's init-device RNG equal the state of ``group``'s rank 0 (``None``: the
+    default group), so all ranks init identically."""
     state = [get_rng_state(device).cpu()]
-    dist.broadcast_object_list(state, src=dist.get_global_rank(group, 0), group=group)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(state, src=src, group=group)
     set_rng_state(state[0], device)
 
 

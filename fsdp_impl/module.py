@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from .buffers import ParamAndGradBuffer
+from .decoupled import clear_grads
 from .engine import FSDPEngine
 from .mesh import DistIndex
 from .policy import MixedPrecisionPolicy
@@ -68,8 +69,7 @@ class FullyShardedModule(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._fsdp_engine.zero_grad_buffers(free=set_to_none)
         super().zero_grad(set_to_none=set_to_none)
-        if self._fsdp_engine.use_decoupled_grad:
-            reset_decoupled_grads(self.parameters(), set_to_none)
+        clear_grads(self.parameters(), self._fsdp_engine.use_decoupled_grad, set_to_none)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -80,13 +80,3 @@ class FullyShardedModule(nn.Module):
                 raise
             return getattr(inner, name)
 
-
-def reset_decoupled_grads(params: Any, set_to_none: bool) -> None:
-    for p in params:
-        grad = getattr(p, "decoupled_grad", None)
-        if grad is None:
-            continue
-        if set_to_none:
-            p.decoupled_grad = None
-        else:
-            grad.zero_()

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .decoupled import local_tensor
 from .placement import TPSpec
 
 
@@ -29,14 +30,46 @@ class ManagedParam:
         self.tp: TPSpec | None = None
         self.dtype = orig.dtype
         self.requires_grad = orig.requires_grad
-        self.sharded: nn.Parameter | None = None
-        self.unsharded: nn.Parameter | None = None
+        self._sharded: nn.Parameter | None = None  # set by the unit at wrap time
+        self._unsharded: nn.Parameter | None = None  # set by make_unsharded at wrap time
         self.grad_index: int | None = None  # slot in the unit's grad layout (None: frozen)
+
+    @property
+    def sharded(self) -> nn.Parameter:
+        """The DTensor shard (``model.parameters()``); exists once the unit has sharded it."""
+        if self._sharded is None:
+            raise RuntimeError(f"parameter {self.fqn!r} has no sharded form yet (not sharded by its unit)")
+        return self._sharded
+
+    @sharded.setter
+    def sharded(self, param: nn.Parameter) -> None:
+        self._sharded = param
+
+    @property
+    def unsharded(self) -> nn.Parameter:
+        """The full-size compute param; exists once ``make_unsharded`` ran."""
+        if self._unsharded is None:
+            raise RuntimeError(f"parameter {self.fqn!r} has no compute param yet (make_unsharded not run)")
+        return self._unsharded
+
+    @property
+    def grad_slot(self) -> int:
+        """Index of this param in its unit's grad layout (trainable params only)."""
+        if self.grad_index is None:
+            raise RuntimeError(f"parameter {self.fqn!r} is frozen (requires_grad=False): it has no grad slot")
+        return self.grad_index
+
+    def sharded_local(self) -> torch.Tensor:
+        """The plain tensor the sharded DTensor wraps (a view into the unit's weight buffer)."""
+        return local_tensor(self.sharded)
 
     def current(self) -> torch.Tensor:
         """The tensor the module holds right now (used to read full values at wrap time)."""
         module, name = self.locations[0]
-        return module._parameters[name]
+        value = module._parameters[name]
+        if value is None:
+            raise RuntimeError(f"parameter {self.fqn!r} was removed from its module ({name!r} is None)")
+        return value
 
     def set_on_module(self, tensor: nn.Parameter) -> None:
         """Register ``tensor`` under every name that refers to this parameter (FSDP2-style swap)."""
@@ -59,17 +92,17 @@ class ManagedParam:
         """Allocate the compute param (a TP DTensor around a plain local tensor for TP params)."""
         local = torch.empty(self.layout_shape, dtype=dtype, device=device)
         value = self.tp.to_compute(local) if self.tp is not None else local
-        self.unsharded = nn.Parameter(value, requires_grad=self.requires_grad)
+        self._unsharded = nn.Parameter(value, requires_grad=self.requires_grad)
 
     def compute_local(self) -> torch.Tensor:
         """The plain tensor holding the compute values (its storage is what ZeRO-3 frees)."""
-        u = self.unsharded
-        return u._local_tensor if isinstance(u, DTensor) else u
+        return local_tensor(self.unsharded)
 
     def take_grad(self) -> torch.Tensor | None:
         """Pop the compute param's fresh grad as a plain TP-local tensor."""
-        grad = self.unsharded.grad
-        self.unsharded.grad = None
+        unsharded = self.unsharded
+        grad = unsharded.grad
+        unsharded.grad = None
         if grad is not None and self.tp is not None:
             grad = self.tp.local_grad(grad)
         return grad

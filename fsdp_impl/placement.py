@@ -14,25 +14,22 @@ the truth:
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, placement_types
 from torch.distributed.tensor.placement_types import Placement
-
-try:  # private, but what FSDP2 itself uses for dp-over-tp row sharding (torch 2.11 and 2.13)
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover - depends on the torch build
-    _StridedShard = None
 
 from .buffers import contiguous_stride
 from .mesh import mesh_dim_names, submesh
 
-ISSUE = "issue 4: TP"
+# Private, but what FSDP2 itself uses for dp-over-tp row sharding (present in torch 2.11 and
+# 2.13); None on a build without it, which then refuses row-sharded TP params.
+_STRIDED_SHARD: Callable[..., Placement] | None = getattr(placement_types, "_StridedShard", None)
 
 
 def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
@@ -87,10 +84,10 @@ def tp_spec_of(name: str, param: nn.Parameter, tp_mesh: DeviceMesh | None,
     placement = param.placements[0]
     if not (type(placement) is Shard or isinstance(placement, Replicate)):
         raise ValueError(f"{where}; allowed tensor-parallel placements: Shard(dim), Replicate()")
-    if isinstance(placement, Shard) and placement.dim == 0 and tp_mesh.size() > 1 and _StridedShard is None:
+    if isinstance(placement, Shard) and placement.dim == 0 and tp_mesh.size() > 1 and _STRIDED_SHARD is None:
         raise NotImplementedError(f"{where}; row-sharded (Shard(0)) TP params need "
                                   "torch.distributed.tensor.placement_types._StridedShard, which this "
-                                  f"torch build lacks ({ISSUE})")
+                                  "torch build lacks; row-sharded TP params are not supported on it")
     local = tuple(param.to_local().shape)
     if len(local) == 0:
         raise ValueError(f"{where} is 0-dimensional; fully_shard needs params with at least one dim")
@@ -121,7 +118,8 @@ class PlacementPlan:
             inner = Shard(0)
             if tp is not None and isinstance(tp.placement, Shard) and tp.placement.dim == 0 \
                     and tp.mesh.size() > 1:
-                inner = _StridedShard(0, split_factor=tp.mesh.size())
+                assert _STRIDED_SHARD is not None  # tp_spec_of refuses such params without it
+                inner = _STRIDED_SHARD(0, split_factor=tp.mesh.size())
         return ([Replicate()] if self.replicate_outer else []) + [inner]
 
     def _mesh_with_tp(self) -> DeviceMesh:
@@ -130,6 +128,8 @@ class PlacementPlan:
                 raise ValueError("tensor-parallel DTensor params need the hybrid_fsdp_group to be a "
                                  "flattened dim of device_mesh (e.g. mesh['hsdp'].get_group()), so the "
                                  "sharded params can be DTensors over (hsdp, tp)")
+            if self.tp_dim is None:
+                raise ValueError("tensor-parallel DTensor params need tp_dim naming their mesh dim")
             self._tp_mesh = self.root[self.dp_names + (self.tp_dim,)]
         return self._tp_mesh
 

@@ -17,7 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import comm
 from .buffers import DataParallelBuffer, ParameterGroup
+from .decoupled import grad_attr_name
 from .device import CommStreams
+from .grad_reduce import TwoLevelGroups, UnitGradReduce, unit_grad_reduce
 from .param import ManagedParam
 from .placement import PlacementPlan
 from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
@@ -41,7 +43,7 @@ class _Gather:
     """An all-gather in flight: its output, the event that marks it done, the weights' version."""
 
     gathered: torch.Tensor
-    event: object | None
+    event: torch.cuda.Event | None
     version: int
 
 
@@ -58,10 +60,9 @@ class UnitContext:
     device: torch.device
     policy: MixedPrecisionPolicy
     streams: CommStreams
-    # HFSDP two-level grad reduction (both set): reduce-scatter inside ``inner_group`` (dp_shard)
-    # every backward, across ``outer_group`` (dp_outer) only on the sync backward.
-    inner_group: dist.ProcessGroup | None = None
-    outer_group: dist.ProcessGroup | None = None
+    # HFSDP two-level grad reduction: reduce-scatter inside dp_shard every backward, across
+    # dp_outer only on the sync backward (``None``: one reduction over ``group``).
+    two_level: TwoLevelGroups | None = None
 
     @property
     def num_shards(self) -> int:
@@ -91,18 +92,20 @@ class FSDPUnit:
         n, r = ctx.num_shards, ctx.layout_rank
         self.weight = DataParallelBuffer(FlatLayout([p.layout_shape for p in params], n), r,
                                          self.dtypes.main_params, ctx.device)
-        self.grad: DataParallelBuffer | None = None
+        self.grad: DataParallelBuffer | None = None  # None: no trainable params
         if self.trainable:
             self.grad = DataParallelBuffer(FlatLayout([p.layout_shape for p in self.trainable], n), r,
                                            self.dtypes.main_grads, ctx.device)
+        self.reducer: UnitGradReduce = unit_grad_reduce(
+            ctx.group, ctx.strategy == ShardingStrategy.NO_SHARD, ctx.two_level, ctx.streams.reduce,
+            ctx.device, self.dtypes.main_grads)
         self.group = ParameterGroup(name, self.weight, self.grad,
                                     ctx.policy.main_params_dtype is not None)
         self._accumulator: torch.Tensor | None = None  # ZeRO-0/1 full-size unsynced grads
         self._pending: torch.Tensor | None = None  # ZeRO-2/3 this backward's grads
-        self._inner_accum: torch.Tensor | None = None  # HFSDP: inner-reduced, unsynced grads
         self._ready = 0
         self._gather: _Gather | None = None  # a prefetched all-gather not yet consumed
-        self.reduce_event: object | None = None  # CUDA: marks the last grad reduction done
+        self.reduce_event: torch.cuda.Event | None = None  # CUDA: marks the last grad reduction done
         self.post_backward_done = False
         self.is_unsharded = False
         self.synced_version = -1  # weight-buffer version the compute params were built from
@@ -137,7 +140,7 @@ class FSDPUnit:
         """
         total = self.weight.data._version
         for p in self.params:
-            total += p.sharded._version + p.sharded._local_tensor._version
+            total += p.sharded._version + p.sharded_local()._version
         return total
 
     def weights_changed(self) -> bool:
@@ -241,20 +244,26 @@ class FSDPUnit:
         grad = p.take_grad()
         if grad is None:
             return False
-        layout = self.grad.layout
+        layout = self._grad_buffer().layout
         if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
             if self._pending is None:
                 self._pending = torch.zeros(layout.total_numel, dtype=comm_dtype, device=self.ctx.device)
-            layout.pack_full(self._pending, p.grad_index, grad)
+            layout.pack_full(self._pending, p.grad_slot, grad)
         else:
-            layout.pack_full(self._full_accumulator(), p.grad_index, grad, accumulate=True)
+            layout.pack_full(self._full_accumulator(), p.grad_slot, grad, accumulate=True)
         self._ready += 1
         return self._ready == len(self.trainable)
 
+    def _grad_buffer(self) -> DataParallelBuffer:
+        """The grad buffer, which every unit with a trainable param has."""
+        if self.grad is None:
+            raise RuntimeError(f"FSDP unit {self.name!r} has no trainable params, hence no grad buffer")
+        return self.grad
+
     def _full_accumulator(self) -> torch.Tensor:
         if self._accumulator is None:
-            self._accumulator = torch.zeros(self.grad.layout.total_numel, dtype=self.dtypes.main_grads,
-                                            device=self.ctx.device)
+            self._accumulator = torch.zeros(self._grad_buffer().layout.total_numel,
+                                            dtype=self.dtypes.main_grads, device=self.ctx.device)
         return self._accumulator
 
     def reduce_grads(self, sync: bool, comm_dtype: torch.dtype) -> None:
@@ -263,61 +272,17 @@ class FSDPUnit:
             self.post_backward_done = True
             return
         self.post_backward_done = True
-        strategy, group = self.ctx.strategy, self.ctx.group
-        if strategy >= ShardingStrategy.OPTIM_GRADS:
+        if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
             full = self._pending
             if full is None:  # no grad arrived: still join the collective with zeros
                 full = torch.zeros(self.grad.layout.total_numel, dtype=comm_dtype, device=self.ctx.device)
             self._pending = None
-            if self.ctx.inner_group is not None:
-                self._reduce_two_level(full, sync)
-                return
         elif sync:
             full = self._full_accumulator().to(comm_dtype)
             self._accumulator = None  # full-size: only held while a cycle accumulates
         else:
             return
-        self.grad.ensure_allocated()
-        stream = self.ctx.streams.reduce
-        with stream.use():
-            if strategy == ShardingStrategy.NO_SHARD:
-                comm.all_reduce_avg(full, group)
-                self.grad.data.add_(full)
-            else:
-                out = torch.empty(self.grad.layout.segment_numel, dtype=full.dtype, device=self.ctx.device)
-                comm.reduce_scatter_avg(out, full, group)
-                self.grad.data.add_(out)
-        stream.keep_alive(full)
-        self.reduce_event = stream.record()
-
-    def _reduce_two_level(self, full: torch.Tensor, sync: bool) -> None:
-        """HFSDP: average inside dp_shard now and accumulate; average across dp_outer (and land
-        in the hybrid shard) only on the sync backward, so the outer link carries grads once
-        per optimisation cycle. The hybrid rank is ``outer_rank * inner_size + inner_rank``
-        (checked at wrap time), so ``full`` viewed as [outer, inner, segment] and transposed
-        to [inner, outer * segment] reduce-scatters into this inner rank's [outer, segment]."""
-        ctx, seg = self.ctx, self.grad.layout.segment_numel
-        n_in, n_out = dist.get_world_size(ctx.inner_group), dist.get_world_size(ctx.outer_group)
-        stream = ctx.streams.reduce
-        with stream.use():
-            by_inner = full.view(n_out, n_in, seg).transpose(0, 1).contiguous().view(-1)
-            part = by_inner[: n_out * seg] if n_in == 1 else torch.empty(n_out * seg, dtype=full.dtype,
-                                                                         device=ctx.device)
-            if n_in > 1:
-                comm.reduce_scatter_avg(part, by_inner, ctx.inner_group)
-            if self._inner_accum is None:
-                self._inner_accum = torch.zeros(n_out * seg, dtype=self.dtypes.main_grads, device=ctx.device)
-            self._inner_accum.add_(part)
-            if sync:
-                self.grad.ensure_allocated()
-                out = self._inner_accum.to(full.dtype)
-                if n_out > 1:
-                    out, acc = torch.empty(seg, dtype=full.dtype, device=ctx.device), out
-                    comm.reduce_scatter_avg(out, acc, ctx.outer_group)
-                self.grad.data.add_(out)
-                self._inner_accum = None
-        stream.keep_alive(full)
-        self.reduce_event = stream.record()
+        self.reduce_event = self.reducer.reduce(full, self.grad, sync)
 
     def end_backward(self) -> None:
         """Reset the per-backward counters; the compute stream waits for this unit's reduction."""
@@ -335,21 +300,19 @@ class FSDPUnit:
         if self.grad is None:
             return
         self.grad.ensure_allocated()
+        attr = grad_attr_name(decoupled)
         for p in self.trainable:
-            i = p.grad_index
-            current = getattr(p.sharded, "decoupled_grad" if decoupled else "grad", None)
+            i, sharded = p.grad_slot, p.sharded
+            current = getattr(sharded, attr, None)
             if current is not None and current is self._grad_cache[i]:
                 continue
             local = self.grad.local_view(i)
-            if decoupled or local.dtype == p.sharded.dtype:
+            if decoupled or local.dtype == sharded.dtype:
                 g = self.ctx.plan.wrap(local, p.tp, p.shape)
                 self._grad_cache[i] = g
             else:
-                g = self.ctx.plan.wrap(local.to(p.sharded.dtype), p.tp, p.shape)
-            if decoupled:
-                p.sharded.decoupled_grad = g
-            else:
-                p.sharded.grad = g
+                g = self.ctx.plan.wrap(local.to(sharded.dtype), p.tp, p.shape)
+            setattr(sharded, attr, g)
 
     def zero_grad_buffers(self, free: bool = False) -> None:
         """Zero the grad buffer, or with ``free`` (``zero_grad(set_to_none=True)``) release it
@@ -363,8 +326,11 @@ class FSDPUnit:
             elif self.grad.is_allocated:
                 self.grad.data.zero_()
         self._accumulator = None
-        self._inner_accum = None
+        self.reducer.clear()
 
     def nan_grad_flags(self) -> list[torch.Tensor]:
         """Per trainable param, a 0-dim int tensor: does this rank's grad shard hold a NaN?"""
-        return [torch.isnan(self.grad.local_view(p.grad_index)).any().to(torch.int32) for p in self.trainable]
+        if not self.trainable:
+            return []
+        grad = self._grad_buffer()
+        return [torch.isnan(grad.local_view(p.grad_slot)).any().to(torch.int32) for p in self.trainable]

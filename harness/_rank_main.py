@@ -40,12 +40,13 @@ def main() -> int:
     )
     backend = env[protocol.ENV_BACKEND]
     device = _device(env[protocol.ENV_DEVICE_TYPE])
-    dist.init_process_group(backend, store=dist.PrefixStore(protocol.PG_PREFIX, store), rank=rank, world_size=world_size)
+    pg_store = dist.PrefixStore(protocol.PG_PREFIX, store)
+    dist.init_process_group(backend, store=pg_store, rank=rank, world_size=world_size)
     dist_env = DistEnv(rank=rank, world_size=world_size, local_rank=int(env["LOCAL_RANK"]),
                        device=device, backend=backend, store_port=port)
     state = RankState(env=dist_env, session_shared_dir=pathlib.Path(env[protocol.ENV_SESSION_SHARED]))
     session = RankSession(store, state)
-    args = protocol.decode(env[protocol.ENV_PYTEST_ARGS].encode())
+    args = protocol.decode(env[protocol.ENV_PYTEST_ARGS])
     code = pytest.main(args, plugins=[session])
     sys.stdout.flush()
     sys.stderr.flush()

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
+from harness import gpu_lease
 from harness import spec as spec_mod
 
-FORCE_CPU_ENV = "HARNESS_FORCE_CPU"
 BACKEND_CHOICES = ("auto", "cpu")
 
 
@@ -27,20 +27,12 @@ class Placement:
 
 def force_cpu(config: pytest.Config) -> bool:
     """True when the CPU backend is forced by option or by ``HARNESS_FORCE_CPU=1``."""
-    return config.getoption("harness_backend") == "cpu" or os.environ.get(FORCE_CPU_ENV, "") not in ("", "0")
+    return config.getoption("harness_backend") == "cpu" or os.environ.get(gpu_lease.ENV_FORCE_CPU, "") not in ("", "0")
 
 
 def visible_gpus() -> int:
-    """Number of GPUs the harness may use; honours the GPU-lease helper's fake count when present."""
-    try:
-        from harness import gpu_lease  # written by another helper; optional
-    except ImportError:
-        gpu_lease = None
-    if gpu_lease is not None and hasattr(gpu_lease, "visible_gpu_count"):
-        return int(gpu_lease.visible_gpu_count())
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """Number of GPUs the harness may use (``HARNESS_FAKE_GPUS`` when set, see ``harness.gpu_lease``)."""
+    return gpu_lease.visible_gpu_count()
 
 
 def cpu_placement() -> Placement:
@@ -55,7 +47,7 @@ def gpu_placement(gpu_ids: tuple[int, ...]) -> Placement:
     """
     import torch
 
-    if torch.cuda.is_available() and os.environ.get("HARNESS_FAKE_GPUS", "") == "":
+    if torch.cuda.is_available() and os.environ.get(gpu_lease.ENV_FAKE_GPUS, "") == "":
         return Placement(backend="nccl", device_type="cuda", gpu_ids=gpu_ids)
     return Placement(backend="gloo", device_type="cpu", gpu_ids=gpu_ids)
 

@@ -8,14 +8,16 @@ JUnit XML writes as properties.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from _pytest._code.code import ReprFileLocation
 
-from harness.bucket import Fault, TestOutcome
+from harness.outcome import Fault, TestOutcome
 
-PHASES = ("setup", "call", "teardown")
+Phase = Literal["setup", "call", "teardown"]
+Outcome = Literal["passed", "failed", "skipped"]
+PHASES: tuple[Phase, ...] = ("setup", "call", "teardown")
 
 
 class RankFailureRepr:
@@ -48,6 +50,11 @@ def _crash_line(rep: pytest.TestReport) -> str:
         return crash.message.splitlines()[0] if crash.message else ""
     text = str(rep.longrepr).strip().splitlines()
     return text[-1] if text else rep.outcome
+
+
+def _state(rep: pytest.TestReport | None) -> str:
+    """A rank's outcome of one phase, ``missing`` when it sent no report for it."""
+    return rep.outcome if rep is not None else "missing"
 
 
 def _rank_block(rank: int, rep: pytest.TestReport, cause: bool) -> str:
@@ -109,7 +116,7 @@ class ReportBuilder:
                 props.extend((f"rank{r}.{name}", values[(name, rv)]) for r in ranks)
         return props
 
-    def _report(self, when: str, outcome: str, longrepr: Any, sections: list[tuple[str, str]],
+    def _report(self, when: Phase, outcome: Outcome, longrepr: Any, sections: list[tuple[str, str]],
                  duration: float, props: list[tuple[str, object]], **extra: Any) -> pytest.TestReport:
         now = time.time()
         return pytest.TestReport(
@@ -130,16 +137,17 @@ class ReportBuilder:
             if when == "setup" and rep.outcome != "passed":
                 break
         if reports and reports[-1].when != "teardown":
-            reports.append(self._merge_phase("teardown", props) or self._report("teardown", "passed", None, [], 0.0, props))
+            reports.append(self._merge_phase("teardown", props)
+                           or self._report("teardown", "passed", None, [], 0.0, props))
         return reports
 
-    def _merge_phase(self, when: str, props: list[tuple[str, object]]) -> pytest.TestReport | None:
+    def _merge_phase(self, when: Phase, props: list[tuple[str, object]]) -> pytest.TestReport | None:
         reps = {r: self.per_rank.get(r, {}).get(when) for r in range(self.world_size)}
         if all(v is None for v in reps.values()) and not self.errors:
             return None
         sections = [(f"{t} [rank {r}]", c) for r, rep in reps.items() if rep is not None for t, c in rep.sections]
         duration = max((rep.duration for rep in reps.values() if rep is not None), default=0.0)
-        kinds = {(rep.outcome, hasattr(rep, "wasxfail")) if rep is not None else ("missing", False) for rep in reps.values()}
+        kinds = {(_state(rep), hasattr(rep, "wasxfail")) for rep in reps.values()}
         if len(kinds) == 1 and not self.errors and next(iter(kinds))[0] != "failed":
             base = reps[0]
             assert base is not None
@@ -148,10 +156,10 @@ class ReportBuilder:
             return self._report(when, base.outcome, longrepr, sections, duration, props, **extra)
         return self._report(when, "failed", self._failure_repr(when, reps), sections, duration, props)
 
-    def _failure_repr(self, when: str, reps: dict[int, pytest.TestReport | None]) -> RankFailureRepr:
-        failing = [r for r in self.fail_order if r in self.errors or (reps.get(r) is not None and reps[r].outcome == "failed")]
+    def _failure_repr(self, when: Phase, reps: dict[int, pytest.TestReport | None]) -> RankFailureRepr:
+        failing = [r for r in self.fail_order if r in self.errors or _state(reps.get(r)) == "failed"]
         others = [r for r in range(self.world_size) if r not in failing]
-        status = ", ".join(f"rank {r}={reps[r].outcome if reps.get(r) else 'missing'}" for r in others)
+        status = ", ".join(f"rank {r}={_state(reps.get(r))}" for r in others)
         blocks = [f"{when} failed on rank(s) {failing}" + (f"; {status}" if status else "")] if failing else []
         first_msg = ""
         for i, r in enumerate(failing):
@@ -165,7 +173,7 @@ class ReportBuilder:
                 first_msg = first_msg or f"[rank {r}] {_crash_line(rep)}"
         if not failing:
             first_msg = f"ranks disagree on the {when} outcome: " + ", ".join(
-                f"rank {r}={reps[r].outcome if reps.get(r) else 'missing'}" for r in range(self.world_size))
+                f"rank {r}={_state(reps.get(r))}" for r in range(self.world_size))
             blocks.append(first_msg)
         return RankFailureRepr(self.path, self.lineno, first_msg, "\n".join(blocks))
 
@@ -190,5 +198,6 @@ class ReportBuilder:
             blocks.append(f"{'-' * 10} {title} {'-' * 10}\n{text}")
         dur = self.outcome.duration
         setup = self._report("setup", "passed", None, [], 0.0, props)
-        call = self._report("call", "failed", RankFailureRepr(self.path, self.lineno, message, "\n".join(blocks)), [], dur, props)
+        longrepr = RankFailureRepr(self.path, self.lineno, message, "\n".join(blocks))
+        call = self._report("call", "failed", longrepr, [], dur, props)
         return [setup, call, self._report("teardown", "passed", None, [], 0.0, props)]

@@ -13,12 +13,10 @@ from typing import Any
 import pytest
 
 from harness import backend as backend_mod
+from harness import gpu_lease
 from harness.bucket import Bucket, BucketSetup, TestOutcome
 from harness.combine import ReportBuilder
-from harness.spec import DistSpec
-
-DEFAULT_TIMEOUT_S = {"gloo": 120.0, "nccl": 300.0}
-DEFAULT_STARTUP_S = {"gloo": 120.0, "nccl": 300.0}
+from harness.spec import SPEC_KEY, DistSpec, resolve_startup_timeout, resolve_timeout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +32,6 @@ class BucketKey:
         return f"{self.name.replace('@', '_')}::ws{self.world_size}"
 
 
-SPEC_KEY = pytest.StashKey[DistSpec]()
 BUCKET_KEY = pytest.StashKey[BucketKey]()
 ORIG_NODEID_KEY = pytest.StashKey[str]()
 
@@ -71,7 +68,7 @@ class Controller:
         self.config = config
         self.active: Bucket | None = None
         self.active_key: BucketKey | None = None
-        self.active_lease: Any = None
+        self.active_lease: gpu_lease.Lease | None = None
         self.bucket_count = 0
         self.test_count = 0
         self._root: pathlib.Path | None = None
@@ -80,7 +77,8 @@ class Controller:
 
     # ----- collection ---------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
-    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
+                                      items: list[pytest.Item]) -> None:
         for item in items:
             spec = item.stash.get(SPEC_KEY, None)
             missing = backend_mod.missing_requirements(item, config, spec.world_size if spec else None)
@@ -137,11 +135,12 @@ class Controller:
         assert bucket is not None
         upcoming = self._next_runnable(nextitem)
         same_next = upcoming is not None and upcoming.stash.get(BUCKET_KEY, None) == key
-        next_id = upcoming.stash[ORIG_NODEID_KEY] if same_next else None
+        next_id = upcoming.stash[ORIG_NODEID_KEY] if same_next and upcoming is not None else None
         self.test_count += 1
         shared = self.root() / "shared" / f"{self.test_count:05d}-{_safe(item.name)}"
         shared.mkdir(parents=True)
-        outcome: TestOutcome = bucket.run_test(item.stash[ORIG_NODEID_KEY], next_id, shared, self._timeout(item, bucket))
+        timeout = resolve_timeout(self.config, item.stash[SPEC_KEY], bucket.setup.placement.backend)
+        outcome: TestOutcome = bucket.run_test(item.stash[ORIG_NODEID_KEY], next_id, shared, timeout)
         if outcome.fault is not None:
             self.close_active(graceful=False)
         elif not same_next:
@@ -168,22 +167,15 @@ class Controller:
                 return candidate
         return None
 
-    def _timeout(self, item: pytest.Item, bucket: Bucket) -> float:
-        spec = item.stash[SPEC_KEY]
-        if spec.timeout is not None:
-            return spec.timeout
-        opt = self.config.getoption("harness_timeout") or self.config.getini("harness_timeout")
-        return float(opt) if opt else DEFAULT_TIMEOUT_S[bucket.setup.placement.backend]
-
     def _start(self, key: BucketKey) -> None:
         placement, lease = self._place(key.world_size)
         self.bucket_count += 1
-        startup = self.config.getoption("harness_startup_timeout") or DEFAULT_STARTUP_S[placement.backend]
         setup = BucketSetup(
             label=key.label, world_size=key.world_size, placement=placement,
             workdir=self.root() / f"bucket{self.bucket_count:03d}-{_safe(key.label)}",
             rootdir=self.config.rootpath, pytest_args=tuple(self._rank_args(key)),
-            session_shared_dir=self.session_shared_dir(), startup_s=float(startup),
+            session_shared_dir=self.session_shared_dir(),
+            startup_s=resolve_startup_timeout(self.config, placement.backend),
             grace_s=float(self.config.getoption("harness_grace")),
             harness_path=pathlib.Path(__file__).resolve().parent.parent,
         )
@@ -191,7 +183,7 @@ class Controller:
         self.active_key = key
         self.active_lease = lease
 
-    def _place(self, world_size: int) -> tuple[backend_mod.Placement, Any]:
+    def _place(self, world_size: int) -> tuple[backend_mod.Placement, gpu_lease.Lease | None]:
         """Backend choice plus the single GPU-lease call site (``harness.gpu_lease``).
 
         With ``HARNESS_FAKE_GPUS`` on a machine without CUDA the lease (and per-rank
@@ -200,10 +192,6 @@ class Controller:
         """
         if not backend_mod.wants_gpu(self.config, world_size):
             return backend_mod.cpu_placement(), None
-        try:
-            from harness import gpu_lease
-        except ImportError:  # lease helper absent: take GPUs 0..N-1 without node-wide locking
-            return backend_mod.gpu_placement(tuple(range(world_size))), None
         leaser = gpu_lease.GpuLeaser(gpu_lease.default_lock_dir(), backend_mod.visible_gpus())
         lease = leaser.acquire(world_size, timeout_s=None)
         return backend_mod.gpu_placement(tuple(lease.gpu_ids)), lease
@@ -211,7 +199,8 @@ class Controller:
     def _rank_args(self, key: BucketKey) -> list[str]:
         items = [i for i in self.config.stash.get(ITEMS_KEY, []) if i.stash.get(BUCKET_KEY, None) == key]
         paths = list(dict.fromkeys(str(i.path) for i in items))
-        args = paths + ["-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:faulthandler", "-o", "addopts=", "--capture=tee-sys",
+        args = paths + ["-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:faulthandler", "-o", "addopts=",
+                        "--capture=tee-sys",
                         "--continue-on-collection-errors", "-q", "--rootdir", str(self.config.rootpath),
                         f"--import-mode={self.config.option.importmode}"]
         if self.config.inipath is not None:

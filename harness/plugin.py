@@ -23,7 +23,8 @@ MARKERS = (
     "requires_cuda: skip unless CUDA GPUs are visible and the CPU backend is not forced",
     "requires_gpu_arch(arch): skip unless every visible GPU has at least this compute capability ('sm90' = 9.0)",
     "requires_module(name, ...): skip unless the named Python module(s) can be imported",
-    "slow: long-running case; the L0/L1 tiers deselect it with -m 'not slow'",
+    "slow: long-running case (over about a minute on 2 CPU cores) that the quick tiers L0 and L1 deselect "
+    "with -m 'not slow'",
 )
 
 
@@ -49,7 +50,8 @@ def run_mode() -> str:
     """``rank`` inside a spawned rank, ``torchrun`` under torchrun, else ``controller``."""
     if os.environ.get(protocol.ENV_RANK_PROCESS) == "1":
         return "rank"
-    if os.environ.get("TORCHELASTIC_RUN_ID") or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")):
+    torchrun_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    if os.environ.get("TORCHELASTIC_RUN_ID") or all(k in os.environ for k in torchrun_vars):
         return "torchrun"
     return "controller"
 
@@ -109,9 +111,7 @@ def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: objec
             except spec.HarnessUsageError as exc:
                 raise collector.CollectError(f"fsdp_harness: {exc}") from None
             if dist is not None:
-                from harness.controller import SPEC_KEY
-
-                item.stash[SPEC_KEY] = dist
+                item.stash[spec.SPEC_KEY] = dist
     return result
 
 

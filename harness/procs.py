@@ -143,7 +143,3 @@ def gpu_env(gpu_id: int) -> str:
         if gpu_id < len(ids):
             return ids[gpu_id]
     return str(gpu_id)
-
-
-def optional_int(value: str | None) -> int | None:
-    return None if value in (None, "") else int(value)

@@ -9,18 +9,21 @@ from __future__ import annotations
 import pathlib
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from harness import protocol
 from harness.context import RANK_STATE_KEY, RankState
 
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
 
 class RankSession:
     """Registered in each rank's pytest session; owns the command loop."""
 
-    def __init__(self, store: Any, state: RankState) -> None:
+    def __init__(self, store: Store, state: RankState) -> None:
         self.store = store
         self.state = state
         self.rank = state.env.rank
@@ -42,7 +45,7 @@ class RankSession:
         items = {item.nodeid: item for item in session.items}
         seq = 0
         while True:
-            cmd = protocol.decode(self.store.get(protocol.key_cmd(seq)))
+            cmd = protocol.get(self.store, protocol.key_cmd(seq))
             if cmd["op"] == "stop":
                 break
             self._run_one(items, cmd, seq)
@@ -71,6 +74,6 @@ class RankSession:
         payload["t"] = time.time()
         sys.stdout.flush()
         sys.stderr.flush()
-        self.store.set(protocol.key_res(seq, self.rank), protocol.encode(payload))
+        protocol.put(self.store, protocol.key_res(seq, self.rank), payload)
         if self.store.add(protocol.key_done(seq), 1) == self.world_size:
-            self.store.set(protocol.key_all(seq), b"1")
+            self.store.set(protocol.key_all(seq), "1")

@@ -19,6 +19,10 @@ REQUIRES_MODULE = "requires_module"
 # pytest session (pytester, xdist worker identity), so a rank process would get a meaningless copy.
 CONTROLLER_ONLY_FIXTURES = ("pytester", "testdir", "worker_id", "testrun_uid")
 
+# Per-test timeout and the extra start-up allowance of a bucket's first test, per backend, in seconds.
+DEFAULT_TIMEOUT_S = {"gloo": 120.0, "nccl": 300.0}
+DEFAULT_STARTUP_S = {"gloo": 120.0, "nccl": 300.0}
+
 _ARCH_RE = re.compile(r"^sm_?(\d)(\d+)a?$")
 
 
@@ -33,6 +37,10 @@ class DistSpec:
     world_size: int
     bucket: str | None
     timeout: float | None
+
+
+SPEC_KEY = pytest.StashKey[DistSpec]()
+"""Where the plugin stores a distributed item's DistSpec (``item.stash``); absent on other items."""
 
 
 def _parse_distributed_args(mark: pytest.Mark, nodeid: str) -> DistSpec:
@@ -55,10 +63,12 @@ def _parse_distributed_args(mark: pytest.Mark, nodeid: str) -> DistSpec:
         raise HarnessUsageError(f"{nodeid}: distributed(world_size={ws!r}) is invalid; world_size must be an int >= 1")
     bucket = kwargs.get("bucket")
     if bucket is not None and (not isinstance(bucket, str) or not bucket):
-        raise HarnessUsageError(f"{nodeid}: distributed(bucket={bucket!r}) is invalid; bucket must be a non-empty str or None")
+        raise HarnessUsageError(
+            f"{nodeid}: distributed(bucket={bucket!r}) is invalid; bucket must be a non-empty str or None")
     timeout = kwargs.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise HarnessUsageError(f"{nodeid}: distributed(timeout={timeout!r}) is invalid; timeout must be a number > 0 or None")
+        raise HarnessUsageError(
+            f"{nodeid}: distributed(timeout={timeout!r}) is invalid; timeout must be a number > 0 or None")
     return DistSpec(world_size=ws, bucket=bucket, timeout=None if timeout is None else float(timeout))
 
 
@@ -76,7 +86,8 @@ def distributed_spec(item: pytest.Item) -> DistSpec | None:
         raise HarnessUsageError(f"{item.nodeid}: conflicting distributed markers on the same test: {own}")
     if item.get_closest_marker("forked") is not None:
         raise HarnessUsageError(
-            f"{item.nodeid}: markers 'distributed' and 'forked' conflict; a distributed test already runs in its own processes"
+            f"{item.nodeid}: markers 'distributed' and 'forked' conflict; "
+            "a distributed test already runs in its own processes"
         )
     return specs[0]
 
@@ -85,7 +96,8 @@ def parse_gpu_arch(arch: object, nodeid: str) -> tuple[int, int]:
     """``"sm90"`` / ``"sm_90"`` / ``"sm100a"`` -> (major, minor) compute capability."""
     m = _ARCH_RE.match(arch) if isinstance(arch, str) else None
     if not m:
-        raise HarnessUsageError(f"{nodeid}: requires_gpu_arch({arch!r}) is invalid; expected a string like 'sm80', 'sm90', 'sm100'")
+        raise HarnessUsageError(
+            f"{nodeid}: requires_gpu_arch({arch!r}) is invalid; expected a string like 'sm80', 'sm90', 'sm100'")
     digits = m.group(1) + m.group(2)
     return int(digits[:-1]), int(digits[-1])
 
@@ -109,3 +121,17 @@ def validate_item(item: pytest.Item, forbidden_fixtures: tuple[str, ...]) -> Dis
                 f"(controller-only fixtures: {sorted(forbidden_fixtures)})"
             )
     return spec
+
+
+def resolve_timeout(config: pytest.Config, spec: DistSpec, backend: str) -> float:
+    """Seconds one distributed test may run: the marker's ``timeout=``, else ``--harness-timeout``,
+    else ini ``harness_timeout``, else the backend's default."""
+    if spec.timeout is not None:
+        return spec.timeout
+    opt = config.getoption("harness_timeout") or config.getini("harness_timeout")
+    return float(opt) if opt else DEFAULT_TIMEOUT_S[backend]
+
+
+def resolve_startup_timeout(config: pytest.Config, backend: str) -> float:
+    """Extra seconds for a bucket's first test (rank start-up): ``--harness-startup-timeout``, else the default."""
+    return float(config.getoption("harness_startup_timeout") or DEFAULT_STARTUP_S[backend])

@@ -22,11 +22,12 @@ from _pytest.runner import runtestprotocol
 
 from harness import backend as backend_mod
 from harness import protocol
-from harness.bucket import Fault, TestOutcome, payload_failed
 from harness.combine import ReportBuilder
 from harness.context import RANK_STATE_KEY, DistEnv, RankState
+from harness.outcome import Fault, TestOutcome, first_failed_rank
+from harness.spec import SPEC_KEY, resolve_timeout
+from harness.wait import Payloads, wait_for_answers
 
-STORE_PREFIX = "harness-torchrun/"
 _WAIT_S = 600.0
 
 
@@ -62,7 +63,7 @@ class TorchrunSession:
             torch.cuda.set_device(local_rank)
         if not dist.is_initialized():
             dist.init_process_group(backend)
-        self.store = dist.PrefixStore(STORE_PREFIX, c10d._get_default_store())
+        self.store = dist.PrefixStore(protocol.TORCHRUN_PREFIX, c10d._get_default_store())
         self.store.set_timeout(datetime.timedelta(seconds=_WAIT_S))
         device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
         env = DistEnv(rank=self.rank, world_size=self.world_size, local_rank=local_rank, device=device, backend=backend)
@@ -72,17 +73,15 @@ class TorchrunSession:
 
     def _shared_dir(self, tag: str) -> pathlib.Path:
         """Rank 0 creates a directory and publishes its path; every rank gets the same path."""
-        key = f"dir/{tag}"
+        key = protocol.key_dir(tag)
         if self.rank == 0:
-            path = tempfile.mkdtemp(prefix=f"harness-torchrun-{tag}-")
-            self.store.set(key, path.encode())
-        return pathlib.Path(self.store.get(key).decode())
+            protocol.put(self.store, key, tempfile.mkdtemp(prefix=f"harness-torchrun-{tag}-"))
+        return pathlib.Path(protocol.get(self.store, key))
 
     # ----- collection ---------------------------------------------------------------------------
     @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-        from harness.controller import SPEC_KEY
-
+    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
+                                      items: list[pytest.Item]) -> None:
         for item in items:
             spec = item.stash.get(SPEC_KEY, None)
             if spec is not None and spec.world_size != self.world_size:
@@ -96,18 +95,16 @@ class TorchrunSession:
         """Every rank must have collected the same items, in the same order."""
         ids = [item.nodeid for item in session.items]
         digest = hashlib.sha1("\n".join(ids).encode()).hexdigest()
-        self.store.set(f"collect/{self.rank}", f"{len(ids)} {digest}".encode())
-        seen = {r: self.store.get(f"collect/{r}").decode() for r in range(self.world_size)}
+        protocol.put(self.store, protocol.key_collected(self.rank), [len(ids), digest])
+        seen = {r: tuple(protocol.get(self.store, protocol.key_collected(r))) for r in range(self.world_size)}
         if len(set(seen.values())) > 1:
-            detail = ", ".join(f"rank {r}: {v.split()[0]} items ({v.split()[1][:10]})" for r, v in seen.items())
+            detail = ", ".join(f"rank {r}: {n} items ({d[:10]})" for r, (n, d) in seen.items())
             raise pytest.UsageError(f"torchrun mode: ranks collected different tests ({detail}); "
                                     "collection must be identical on every rank")
 
     # ----- running --------------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-        from harness.controller import SPEC_KEY
-
         distributed = item.stash.get(SPEC_KEY, None) is not None and item.get_closest_marker("skip") is None
         if not distributed:
             return None if self.rank == 0 else True  # single-process tests and skips: rank 0 only
@@ -118,7 +115,7 @@ class TorchrunSession:
             item.session.shouldstop = "torchrun mode: rank 0 stopped the session"
             return True
         self.state.shared_tmp = pathlib.Path(go["shared_tmp"])
-        timeout = self._timeout(item)
+        timeout = resolve_timeout(self.config, item.stash[SPEC_KEY], self.state.env.backend)
         faulthandler.dump_traceback_later(timeout, exit=False)
         if self.rank == 0:
             item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
@@ -129,10 +126,10 @@ class TorchrunSession:
         hook = self.config.hook
         payload = {"rank": self.rank, "t": time.time(), "error": None,
                    "reports": [hook.pytest_report_to_serializable(config=self.config, report=r) for r in reports]}
-        self.store.set(f"res/{seq}/{self.rank}", protocol.encode(payload))
+        protocol.put(self.store, protocol.key_res(seq, self.rank), payload)
         if self.rank == 0:
             self._gather_and_report(item, seq, timeout)
-        verdict = protocol.decode(self.store.get(f"verdict/{seq}"))
+        verdict = protocol.get(self.store, protocol.key_verdict(seq))
         if verdict.get("abort"):
             item.session.shouldstop = verdict["abort"]
         return True
@@ -141,50 +138,36 @@ class TorchrunSession:
         if self.rank == 0:
             go = {"op": "run", "shared_tmp": str(self._shared_dir(f"t{seq}"))} if not item.session.shouldstop \
                 else {"op": "stop"}
-            self.store.set(f"go/{seq}", protocol.encode(go))
+            protocol.put(self.store, protocol.key_go(seq), go)
             return go
-        return protocol.decode(self.store.get(f"go/{seq}"))
-
-    def _timeout(self, item: pytest.Item) -> float:
-        from harness.controller import DEFAULT_TIMEOUT_S, SPEC_KEY
-
-        spec = item.stash[SPEC_KEY]
-        opt = self.config.getoption("harness_timeout") or self.config.getini("harness_timeout")
-        return spec.timeout or (float(opt) if opt else DEFAULT_TIMEOUT_S[self.state.env.backend])
+        return protocol.get(self.store, protocol.key_go(seq))
 
     def _gather_and_report(self, item: pytest.Item, seq: int, timeout: float) -> None:
         """Rank 0: wait for every rank's reports (timeout, grace), combine, log, publish the verdict."""
         start = time.monotonic()
-        payloads: dict[int, dict[str, Any]] = {}
-        first_fail: float | None = None
+
+        def collect(payloads: Payloads) -> bool:
+            protocol.collect_answers(self.store, seq, range(self.world_size), payloads)
+            return len(payloads) == self.world_size
+
         grace = float(self.config.getoption("harness_grace"))
+        res = wait_for_answers(collect, start, timeout, grace)
+        payloads = res.payloads
+        pending = [r for r in range(self.world_size) if r not in payloads]
         fault: Fault | None = None
-        while len(payloads) < self.world_size:
-            for r in range(self.world_size):
-                if r not in payloads and self.store.check([f"res/{seq}/{r}"]):
-                    payloads[r] = protocol.decode(self.store.get(f"res/{seq}/{r}"))
-            now = time.monotonic()
-            if first_fail is None and any(payload_failed(p) for p in payloads.values()):
-                first_fail = now
-            pending = [r for r in range(self.world_size) if r not in payloads]
-            if pending and first_fail is not None and now - first_fail > grace:
-                fault = Fault("peer_failed", f"rank(s) {pending} did not finish within the {grace:g} s grace period "
-                              "after a failure (probably blocked in a collective); the session stops", None, [])
-            elif pending and now - start > timeout:
-                fault = Fault("timeout", f"rank(s) {pending} exceeded the {timeout:g} s timeout (their stacks are in "
-                              "their stderr, dumped by faulthandler); the session stops", None, [])
-            if fault is not None:
-                failed = sorted((p.get("t", 0.0), r) for r, p in payloads.items() if payload_failed(p))
-                fault.cause_rank = failed[0][1] if failed else None
-                break
-            if pending:
-                time.sleep(0.002)
+        if res.end == "grace_expired":
+            fault = Fault("peer_failed", f"rank(s) {pending} did not finish within the {grace:g} s grace period "
+                          "after a failure (probably blocked in a collective); the session stops",
+                          first_failed_rank(payloads), [])
+        elif res.end == "timed_out":
+            fault = Fault("timeout", f"rank(s) {pending} exceeded the {timeout:g} s timeout (their stacks are in "
+                          "their stderr, dumped by faulthandler); the session stops", first_failed_rank(payloads), [])
         outcome = TestOutcome(payloads, fault, time.monotonic() - start)
         for rep in ReportBuilder(item, self.world_size, outcome).build():
             item.ihook.pytest_runtest_logreport(report=rep)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         verdict = {"abort": f"torchrun mode: {fault.summary}"} if fault is not None else {}
-        self.store.set(f"verdict/{seq}", protocol.encode(verdict))
+        protocol.put(self.store, protocol.key_verdict(seq), verdict)
 
     # ----- end ------------------------------------------------------------------------------------
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -192,10 +175,10 @@ class TorchrunSession:
         import torch.distributed as dist
 
         if self.rank == 0:
-            self.store.set(f"go/{self.seq}", protocol.encode({"op": "stop"}))
-        self.store.add("end", 1)
+            protocol.put(self.store, protocol.key_go(self.seq), {"op": "stop"})
+        self.store.add(protocol.KEY_END, 1)
         deadline = time.monotonic() + 60
-        while int(self.store.add("end", 0)) < self.world_size and time.monotonic() < deadline:
+        while int(self.store.add(protocol.KEY_END, 0)) < self.world_size and time.monotonic() < deadline:
             time.sleep(0.01)
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -97,7 +97,7 @@ if [ ${#junit[@]} -gt 0 ]; then
         baseline=($HARNESS_BASELINE)
         args+=(--baseline "${baseline[@]}")
     fi
-    "$(harness_python)" -m harness.signoff "${args[@]}" || verdict=$?
+    "$(harness_python)" -m harness.report.signoff "${args[@]}" || verdict=$?
 else
     harness_log "ERROR: no JUnit XML was produced; no sign-off report"
     verdict=1

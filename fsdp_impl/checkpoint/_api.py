@@ -150,6 +150,7 @@ def _open(path: Path) -> tuple[dict, Any, dict]:
     except CheckpointError as e:
         error = e
     _comm.raise_if_any_failed(error, f"opening checkpoint {path}", CheckpointCorruptedError)
+    assert manifest is not None  # read_manifest raised otherwise, and so did raise_if_any_failed
 
     expected = manifest["files"]
     mine = _files.my_share(sorted(expected), _comm.rank(), _comm.world_size())

@@ -16,13 +16,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ._errors import CheckpointMismatchError
-
-try:  # torch >= 2.5 exposes DTensor publicly; older builds keep it under _tensor.
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - exercised only on old torch
-    from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
 
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"

@@ -134,7 +134,7 @@ def adam_foreach_(batch: list[AdamTensors], hp: AdamHyper) -> None:
     exp_avgs = [_upcast(t.exp_avg, d) for t, d in zip(batch, dtypes, strict=True)]
     exp_avg_sqs = [_upcast(t.exp_avg_sq, d) for t, d in zip(batch, dtypes, strict=True)]
     if hp.maximize:
-        grads = torch._foreach_neg(grads)
+        grads = list(torch._foreach_neg(grads))  # a list at run time; the stubs say tuple
     lr = _as_float(hp.lr)
 
     steps = [t.step for t in batch]
@@ -143,7 +143,7 @@ def adam_foreach_(batch: list[AdamTensors], hp: AdamHyper) -> None:
         if hp.decoupled_weight_decay:
             torch._foreach_mul_(params, 1 - lr * hp.weight_decay)
         else:
-            grads = torch._foreach_add(grads, params, alpha=hp.weight_decay)
+            grads = list(torch._foreach_add(grads, params, alpha=hp.weight_decay))
 
     torch._foreach_lerp_(exp_avgs, grads, 1 - hp.beta1)
     torch._foreach_mul_(exp_avg_sqs, hp.beta2)

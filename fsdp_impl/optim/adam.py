@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from fsdp_impl.decoupled import DTensor, clear_grad, grad_attr_name, local_tensor, read_grad
+from fsdp_impl.decoupled import DTensor, clear_grads, grad_attr_name, local_tensor, read_grad
 from fsdp_impl.optim._adam_math import AdamHyper, AdamTensors, adam_foreach_, adam_single_
 
 __all__ = ["Adam", "AdamW"]
@@ -102,10 +102,10 @@ class Adam(Optimizer):
             raise ValueError(f"use_decoupled_grad must be True or False, got {use_decoupled_grad!r}")
         _check_moment_dtype("exp_avg_dtype", exp_avg_dtype)
         _check_moment_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype)
-        betas = tuple(float(b.item()) if isinstance(b, torch.Tensor) else float(b) for b in betas)
+        beta1, beta2 = (float(b.item()) if isinstance(b, torch.Tensor) else float(b) for b in betas)
         defaults = {
             "lr": lr,
-            "betas": betas,
+            "betas": (beta1, beta2),
             "eps": eps,
             "weight_decay": weight_decay,
             "amsgrad": bool(amsgrad),
@@ -236,10 +236,8 @@ class Adam(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset ``.grad`` like torch and, with decoupled grads, ``decoupled_grad`` too."""
         super().zero_grad(set_to_none=set_to_none)
-        if self._use_decoupled_grad:
-            for group in self.param_groups:
-                for param in group["params"]:
-                    clear_grad(param, True, set_to_none)
+        params = (param for group in self.param_groups for param in group["params"])
+        clear_grads(params, self._use_decoupled_grad, set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader, then moments recast to the configured dtypes (torch casts to param's)."""
@@ -339,7 +337,7 @@ def _check_grad_matches(
             f" but param.{attr} is {'a DTensor' if isinstance(grad, DTensor) else 'a plain tensor'};"
             " both must be the same kind"
         )
-    if isinstance(param, DTensor) and tuple(param.placements) != tuple(grad.placements):
+    if isinstance(param, DTensor) and isinstance(grad, DTensor) and tuple(param.placements) != tuple(grad.placements):
         raise ValueError(
             f"parameter {index}: param.{attr} placements {tuple(grad.placements)} differ from the "
             f"parameter's {tuple(param.placements)}; gradients must be reduced/sharded like the "

@@ -5,11 +5,16 @@ directories' conftest modules."""
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import json
 import os
 import pathlib
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from typing import Any
+
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 SAMPLES = pathlib.Path(__file__).resolve().parent / "samples"
@@ -47,6 +52,15 @@ class SampleRun:
     def all_rank_pids(self) -> set[int]:
         return {int(v) for c in self.cases.values() for n, v in c.props if n.endswith(".pid") or n == "pid"}
 
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> SampleRun:
+        data = json.loads(text)
+        cases = {name: Case(**{**c, "props": [tuple(p) for p in c["props"]]}) for name, c in data["cases"].items()}
+        return cls(data["returncode"], data["output"], cases)
+
 
 def parse_junit(path: pathlib.Path) -> dict[str, Case]:
     cases = {}
@@ -76,6 +90,28 @@ def run_samples(tmp: pathlib.Path, *names: str, args: tuple[str, ...] = (), env:
     proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     cases = parse_junit(junit) if junit.exists() else {}
     return SampleRun(proc.returncode, proc.stdout + proc.stderr, cases)
+
+
+def run_samples_once(tmp_path_factory: pytest.TempPathFactory, key: str, *names: str,
+                     **kwargs: Any) -> SampleRun:
+    """``run_samples`` once per pytest session, also under xdist.
+
+    The first worker to ask runs the samples and leaves the result for the others, which wait on a
+    lock meanwhile: tests that read one sample run but land on different workers do not repeat it.
+    """
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's basetemp, shared by its workers
+    result = base / f"sample-run-{key}.json"
+    with open(base / f"sample-run-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if result.exists():
+            return SampleRun.from_json(result.read_text())
+        tmp = base / f"sample-run-{key}"
+        tmp.mkdir(exist_ok=True)
+        run = run_samples(tmp, *names, **kwargs)
+        result.write_text(run.to_json())
+        return run
 
 
 def pid_alive(pid: int) -> bool:

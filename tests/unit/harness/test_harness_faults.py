@@ -1,4 +1,5 @@
-"""Every fault of issue 2 item 3: outcome, rank, signal, stack, and that the bucket carries on."""
+"""Every fault a bucket must report (rank death, timeout, raise while peers block, a rank-local failure):
+outcome, rank, signal, stack, and that the following tests run."""
 from __future__ import annotations
 
 import pytest
@@ -71,7 +72,8 @@ def test_followups_pass_in_fresh_buckets(faults_run: SampleRun):
     before = faults_run.cases["test_ok_before"].rank_props("pid")
     after = faults_run.cases["test_after_segv"].rank_props("pid")
     assert before and after and not set(before.values()) & set(after.values())
-    assert faults_run.cases["test_rank2_only"].rank_props("pid") == faults_run.cases["test_after_rank2"].rank_props("pid")
+    cases = faults_run.cases
+    assert cases["test_rank2_only"].rank_props("pid") == cases["test_after_rank2"].rank_props("pid")
 
 
 def test_fault_bucket_raise_is_fast(faults_run: SampleRun):

@@ -2,20 +2,19 @@
 from __future__ import annotations
 
 import pytest
-from harness_selftest import SampleRun, run_samples
+from harness_selftest import SampleRun, run_samples, run_samples_once
 
 
-@pytest.fixture(scope="module")
-def features_run(tmp_path_factory) -> SampleRun:
-    return run_samples(tmp_path_factory.mktemp("features"), "sample_fixtures.py", "sample_requirements.py",
-                       "sample_forked.py")
+@pytest.fixture(scope="session")
+def features_run(tmp_path_factory: pytest.TempPathFactory) -> SampleRun:
+    return run_samples_once(tmp_path_factory, "features", "sample_fixtures.py", "sample_requirements.py",
+                            "sample_forked.py")
 
 
 def test_fixture_and_param_cases_pass(features_run: SampleRun):
-    expected_pass = [n for n in features_run.cases if n.startswith(("test_shared", "test_module", "test_parametrized",
-                                                                   "test_env", "test_monkeypatch", "test_session_shared",
-                                                                   "test_plain", "test_has_json",
-                                                                   "test_forked_ok", "test_distributed_after_forked"))]
+    prefixes = ("test_shared", "test_module", "test_parametrized", "test_env", "test_monkeypatch",
+                "test_session_shared", "test_plain", "test_has_json", "test_forked_ok", "test_distributed_after_forked")
+    expected_pass = [n for n in features_run.cases if n.startswith(prefixes)]
     assert len(expected_pass) == 21, expected_pass  # 9 parametrised + 12 others
     bad = {n: features_run.cases[n].text[:1500] for n in expected_pass if features_run.cases[n].outcome != "passed"}
     assert bad == {}

@@ -2,9 +2,13 @@
 rendezvous, and with (fake) GPUs each worker leases disjoint GPUs for its bucket."""
 from __future__ import annotations
 
+import pytest
 from harness_selftest import pid_alive, run_samples
 
 
+# Two xdist workers each start a 2-rank bucket at once (about 80 s on 2 loaded cores). The lease
+# scheduling itself is covered by tests/unit/gpu_lease; this checks the controller's use of it.
+@pytest.mark.slow
 def test_concurrent_buckets_have_distinct_rendezvous_and_gpus(tmp_path):
     run = run_samples(tmp_path, "sample_concurrent_a.py", "sample_concurrent_b.py", args=("-n", "2"),
                       env={"HARNESS_FAKE_GPUS": "4", "HARNESS_LOCK_DIR": str(tmp_path / "locks")}, timeout=900)

@@ -13,8 +13,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from harness import regression, signoff
-from harness.junit_read import read_junit
+from harness.report import regression, signoff
+from harness.report.junit_read import read_junit
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 
@@ -56,7 +56,7 @@ def run_pytest(tmp_path: pathlib.Path, files: dict[str, str], *args: str) -> tup
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "harness.regression", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-p", "harness.report.regression", "-p", "no:cacheprovider",
          "--strict-markers", "-q", *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
@@ -121,7 +121,7 @@ def test_properties_in_junit_and_report(tmp_path) -> None:
     assert rows["another-bug"].description == "second bug"
     failing = cases["tests/functional/test_fsdp_bugs.py::test_clip[fp32-4]"]
     assert failing.params == (("dtype", "fp32"), ("world_size", "4"))
-    from harness.junit_read import failing_ranks
+    from harness.report.junit_read import failing_ranks
     assert failing_ranks(failing) == [3]
 
 

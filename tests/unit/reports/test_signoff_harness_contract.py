@@ -8,17 +8,14 @@ than silently emptying the report's rank column.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import subprocess
 import sys
 import textwrap
 
-import pytest
-
-from harness import signoff
-from harness.junit_read import FAILED, failing_ranks, one_line_cause, read_junit
+from harness.report import signoff
+from harness.report.junit_read import FAILED, failing_ranks, one_line_cause, read_junit
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 
@@ -37,15 +34,13 @@ SUITE = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.skipif(importlib.util.find_spec("harness.plugin") is None,
-                    reason="harness core plugin (harness.plugin) not present")
 def test_report_of_a_real_distributed_run(tmp_path) -> None:
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_dist_demo.py").write_text(SUITE)
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", HARNESS_FORCE_CPU="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "harness.plugin", "-p", "harness.regression",
+        [sys.executable, "-m", "pytest", "-p", "harness.plugin", "-p", "harness.report.regression",
          "-p", "no:cacheprovider", "-q", "--junitxml=run.xml", "tests"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from harness import signoff
-from harness.junit_read import (
+from harness.report import signoff
+from harness.report.junit_read import (
     ERROR,
     FAILED,
     PASSED,
@@ -143,14 +143,14 @@ def test_failures_list_ranks_and_cause(capsys) -> None:
     ((), "rank 2 last output lines", []),  # a heading without a failure word
 ])
 def test_failing_ranks_sources(props, text, expected) -> None:
-    from harness.junit_read import TestCase
+    from harness.report.junit_read import TestCase
     case = TestCase(run="r", classname="tests.t", name="test_x", outcome=FAILED,
                     message=text, properties=props)
     assert failing_ranks(case) == expected
 
 
 def test_one_line_cause_prefers_message_then_e_lines() -> None:
-    from harness.junit_read import TestCase
+    from harness.report.junit_read import TestCase
     long = TestCase("r", "t", "x", FAILED, message="x" * 500)
     assert len(one_line_cause(long)) == 160 and one_line_cause(long).endswith("...")
     no_msg = TestCase("r", "t", "x", FAILED, details="def f():\nE   ValueError: bad\nE   more")
@@ -187,7 +187,7 @@ def test_regression_table_and_failing_verdict(capsys) -> None:
 
 
 def test_descriptions_pair_with_their_ids() -> None:
-    from harness.junit_read import TestCase
+    from harness.report.junit_read import TestCase
     case = TestCase("r", "t", "x", PASSED, properties=(
         ("regression", "bug-a"), ("regression_description", "about a"),
         ("regression", "bug-b"), ("regression_description", "about b")))
@@ -243,7 +243,7 @@ def test_toml_required_list(tmp_path) -> None:
         signoff.parse_required_regressions(toml)
 
 
-def test_known_bugs_file_lists_the_two_seed_bugs() -> None:
+def test_known_bugs_file_lists_the_two_decoupled_grad_bugs() -> None:
     required = signoff.parse_required_regressions(KNOWN_BUGS)
     assert set(required) == {"decoupled-grad-none-segfault",
                              "decoupled-grad-flag-mismatch-silent-no-op"}
@@ -344,9 +344,9 @@ def test_missing_junit_option_is_a_usage_error(capsys) -> None:
 
 
 def test_module_entry_point_exit_codes(tmp_path) -> None:
-    """``python -m harness.signoff`` propagates PASS/FAIL as 0/1 to the shell."""
+    """``python -m harness.report.signoff`` propagates PASS/FAIL as 0/1 to the shell."""
     for xml, expected in ((ALL_GREEN, 0), (CURRENT, 1)):
-        proc = subprocess.run([sys.executable, "-m", "harness.signoff", "--junit", str(xml),
+        proc = subprocess.run([sys.executable, "-m", "harness.report.signoff", "--junit", str(xml),
                                "--output", str(tmp_path / "r.md")],
                               cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == expected, proc.stderr

@@ -1,4 +1,4 @@
-"""Mesh shapes beyond one shard dim: HSDP, HFSDP, TP and CP (issue 4).
+"""Resolve the parallel dims of a wrap: plain FSDP, HSDP, HFSDP, TP and CP.
 
 ``resolve_parallel_dims`` turns the user's mesh arguments into a ``ParallelDims``: which mesh the
 FSDP units shard over, which group (if any) grads are all-reduced across once per optimisation
@@ -10,17 +10,18 @@ Designs (correct and simple first):
 * **HSDP** (``outer_dp_sharding_strategy='no_shard'``/0): units shard over ``dp_shard_dim``
   exactly as plain FSDP; every ``dp_outer`` replica holds the same shards. The sync backward
   (and only it) all-reduces (AVG) each unit's main-grad shard across the ``dp_outer`` group
-  before the grads are installed (``OuterGradReducer``), so the outer traffic is once per
+  before the grads are installed (``fsdp_impl.grad_reduce.OuterGradReducer``), so the outer traffic is once per
   optimisation cycle, however many microbatches accumulated. AVG is linear, so reducing the
   accumulated sum once equals reducing every microbatch.
 * **HFSDP** (``'optim'``/1, inner ``'optim_grads_params'``/3 only): main params, grads and
   optimizer state are sharded over the whole hybrid group (``hybrid_fsdp_group``, i.e.
   dp_outer x dp_shard[x cp]): the units' shard mesh *is* the hybrid group, so the param
   all-gathers run over it on every forward/backward. Grads take two levels
-  (``two_level_groups``): a reduce-scatter inside dp_shard every backward, accumulated, and one
-  across dp_outer on the sync backward, so grad traffic crosses dp_outer once per cycle. That
-  needs hybrid rank = outer rank x inner size + inner rank (the seed's flattened ``hsdp`` dim);
-  any other rank order keeps one reduce-scatter over the hybrid group per backward.
+  (``fsdp_impl.grad_reduce.TwoLevelReduceScatter``): a reduce-scatter inside dp_shard every
+  backward, accumulated, and one across dp_outer on the sync backward, so grad traffic crosses
+  dp_outer once per cycle. That needs hybrid rank = outer rank x inner size + inner rank (e.g. a
+  flattened ``hsdp`` dim of ``(dp_outer, dp_shard[, cp])``); any other rank order keeps one
+  reduce-scatter over the hybrid group per backward.
 * **TP** (``tp_dim`` of size > 1): a plain model (no DTensor params) is replicated over TP; TP
   ranks see the same data, so their grads are already equal and data-parallel semantics are
   unchanged. DTensor tensor-parallel params (``parallelize_module`` on the tp sub-mesh) are
@@ -34,12 +35,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import comm
-from .mesh import submesh
+from .mesh import MeshDim, submesh
 from .param import ManagedParam
 from .placement import PlacementPlan, find_flattened_dim, tp_spec_of
 from .policy import ShardingStrategy
@@ -52,21 +51,23 @@ class ParallelDims:
     mesh: DeviceMesh
     inner_mesh: DeviceMesh  # the dp_shard_dim sub-mesh (the "fsdp group")
     shard_mesh: DeviceMesh  # what the units shard over: inner_mesh, or the hybrid group (HFSDP)
+    plan: PlacementPlan  # meshes/placements of the sharded DTensors
     outer_group: dist.ProcessGroup | None = None
     hybrid_group: dist.ProcessGroup | None = None
     tp_group: dist.ProcessGroup | None = None
-    outer_reduce: bool = False  # HSDP: all-reduce grads across outer_group on the sync backward
+    hsdp_reduce_group: dist.ProcessGroup | None = None  # HSDP: grads all-reduced across it on sync
     shard_group: dist.ProcessGroup | None = None  # collectives of the units (None: shard_mesh's)
     tp_mesh: DeviceMesh | None = None
     tp_dim: str | None = None
-    plan: PlacementPlan | None = None  # meshes/placements of the sharded DTensors
 
 
 def _ranks(group: dist.ProcessGroup) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
-def _check_pairing(dp_outer_dim: str | None, hybrid_fsdp_group: object, outer: ShardingStrategy) -> None:
+def _check_pairing(dp_outer_dim: str | None, hybrid_fsdp_group: object,
+                   outer: ShardingStrategy) -> dist.ProcessGroup | None:
+    """Check that HSDP's two arguments come together; returns the (type-checked) group."""
     if (dp_outer_dim is None) != (hybrid_fsdp_group is None):
         given, missing = (("dp_outer_dim", "hybrid_fsdp_group") if dp_outer_dim is not None
                           else ("hybrid_fsdp_group", "dp_outer_dim"))
@@ -78,7 +79,9 @@ def _check_pairing(dp_outer_dim: str | None, hybrid_fsdp_group: object, outer: S
                          "hybrid_fsdp_group; without them the only allowed value is 'no_shard'/0")
     if hybrid_fsdp_group is not None and not isinstance(hybrid_fsdp_group, dist.ProcessGroup):
         raise TypeError("hybrid_fsdp_group must be a torch.distributed.ProcessGroup (e.g. "
-                        f"device_mesh['hsdp'].get_group()), got {type(hybrid_fsdp_group).__name__}")
+                        f"device_mesh[{MeshDim.HSDP.value!r}].get_group()), got "
+                        f"{type(hybrid_fsdp_group).__name__}")
+    return hybrid_fsdp_group
 
 
 def _check_hybrid_group(inner: DeviceMesh, outer: DeviceMesh, hybrid: dist.ProcessGroup,
@@ -100,56 +103,58 @@ def _check_hybrid_group(inner: DeviceMesh, outer: DeviceMesh, hybrid: dist.Proce
 def resolve_parallel_dims(mesh: DeviceMesh, inner_mesh: DeviceMesh, dp_shard_dim: str | None,
                           dp_outer_dim: str | None, tp_dim: str | None, hybrid_fsdp_group: object,
                           strategy: ShardingStrategy, outer: ShardingStrategy) -> ParallelDims:
-    """Validate the HSDP/TP arguments and pick the groups (no collective is issued here)."""
-    _check_pairing(dp_outer_dim, hybrid_fsdp_group, outer)
-    if outer == ShardingStrategy.OPTIM and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
-        raise ValueError(f"outer_dp_sharding_strategy='optim'/1 requires zero_dp_strategy="
-                         f"'optim_grads_params'/3, got zero_dp_strategy={strategy.name.lower()!r}/{int(strategy)}")
-    dims = ParallelDims(mesh=mesh, inner_mesh=inner_mesh, shard_mesh=inner_mesh)
+    """Validate the HSDP/TP arguments and pick the groups (no collective is issued here).
+
+    The strategy pairing (outer ``'optim'``/1 needs inner ``'optim_grads_params'``/3) is
+    checked by the caller, with the other argument checks."""
+    hybrid = _check_pairing(dp_outer_dim, hybrid_fsdp_group, outer)
+    tp_mesh, tp_group = None, None
     if tp_dim is not None:
         tp_mesh = submesh(mesh, tp_dim, "tp_dim")
         if tp_dim == dp_shard_dim or tp_dim == dp_outer_dim:
             raise ValueError(f"tp_dim={tp_dim!r} must differ from dp_shard_dim and dp_outer_dim")
-        dims.tp_mesh, dims.tp_dim = tp_mesh, tp_dim
         if tp_mesh.size() > 1:
-            dims.tp_group = tp_mesh.get_group()
+            tp_group = tp_mesh.get_group()
     sharded = strategy != ShardingStrategy.NO_SHARD
     inner_names = (dp_shard_dim,) if dp_shard_dim is not None else _own_names(mesh)
-    dims.plan = PlacementPlan(mesh, inner_mesh, inner_names, False, sharded, tp_dim)
+    dims = ParallelDims(mesh=mesh, inner_mesh=inner_mesh, shard_mesh=inner_mesh,
+                        plan=PlacementPlan(mesh, inner_mesh, inner_names, False, sharded, tp_dim),
+                        tp_group=tp_group, tp_mesh=tp_mesh, tp_dim=tp_dim)
     if dp_outer_dim is None:
         return dims
+    assert hybrid is not None  # _check_pairing: dp_outer_dim and hybrid_fsdp_group come together
     if dp_outer_dim == dp_shard_dim:
         raise ValueError(f"dp_outer_dim={dp_outer_dim!r} must differ from dp_shard_dim={dp_shard_dim!r}")
     outer_mesh = submesh(mesh, dp_outer_dim, "dp_outer_dim")
-    _check_hybrid_group(inner_mesh, outer_mesh, hybrid_fsdp_group, str(dp_shard_dim), dp_outer_dim)
+    _check_hybrid_group(inner_mesh, outer_mesh, hybrid, str(dp_shard_dim), dp_outer_dim)
     dims.outer_group = outer_mesh.get_group()
-    dims.hybrid_group = hybrid_fsdp_group
+    dims.hybrid_group = hybrid
     if outer == ShardingStrategy.OPTIM:
-        dims.shard_mesh, names = _hybrid_mesh(mesh, hybrid_fsdp_group)
-        dims.shard_group = hybrid_fsdp_group
+        dims.shard_mesh, names = _hybrid_mesh(mesh, hybrid)
+        dims.shard_group = hybrid
         dims.plan = PlacementPlan(mesh, dims.shard_mesh, names, False, sharded, tp_dim)
     else:
-        dims.outer_reduce = outer_mesh.size() > 1
+        if outer_mesh.size() > 1:
+            dims.hsdp_reduce_group = dims.outer_group
         dims.plan = _hsdp_plan(mesh, dims.plan, (dp_outer_dim, str(dp_shard_dim)), sharded, tp_dim)
     return dims
 
-
-def _own_names(mesh: DeviceMesh) -> tuple | None:
+def _own_names(mesh: DeviceMesh) -> tuple[str, ...] | None:
     names = mesh.mesh_dim_names
     return tuple(names) if names and mesh.ndim == 1 else None
 
 
-def _hybrid_mesh(mesh: DeviceMesh, hybrid: dist.ProcessGroup) -> tuple:
+def _hybrid_mesh(mesh: DeviceMesh, hybrid: dist.ProcessGroup) -> tuple[DeviceMesh, tuple[str, ...] | None]:
     """HFSDP's shard mesh: the flattened dim of ``mesh`` that is the hybrid group when there is
     one whose local rank is the group rank (then TP params can join it), else a mesh built
     from the bare group."""
     name = find_flattened_dim(mesh, hybrid)
     if name is not None and mesh[name].get_local_rank() == dist.get_rank(hybrid):
         return mesh[name], (name,)
-    return DeviceMesh.from_group(hybrid, mesh.device_type, mesh_dim_names=("hsdp",)), None
+    return DeviceMesh.from_group(hybrid, mesh.device_type, mesh_dim_names=(MeshDim.HSDP.value,)), None
 
 
-def _hsdp_plan(mesh: DeviceMesh, fallback: PlacementPlan, names: tuple, sharded: bool,
+def _hsdp_plan(mesh: DeviceMesh, fallback: PlacementPlan, names: tuple[str, str], sharded: bool,
                tp_dim: str | None) -> PlacementPlan:
     """HSDP params are ``[Replicate(), Shard(0)]`` over ``(dp_outer, dp_shard)``; a mesh whose
     dims cannot be sliced in that order keeps the 1-D inner-mesh description."""
@@ -170,35 +175,3 @@ def attach_tp_specs(groups: list[list[ManagedParam]], dims: ParallelDims) -> Non
             specs.append(p.tp)
     dims.plan.check(specs)
 
-
-class OuterGradReducer:
-    """HSDP: averages every unit's main-grad shard across the dp_outer replicas, once per
-    optimisation cycle (called by the engine on the sync backward, before grads are installed)."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-
-    def reduce(self, grad_buffers: list[object]) -> None:
-        """``grad_buffers``: the units' ``DataParallelBuffer``s (``None`` for frozen-only units),
-        in the engine's unit order, identical on every rank."""
-        for buf in grad_buffers:
-            if buf is None or not buf.data.numel():
-                continue
-            ensure = getattr(buf, "ensure_allocated", None)  # zero_grad(set_to_none) may free it
-            if ensure is not None:
-                ensure()
-            comm.all_reduce_avg(buf.data, self.group)
-
-
-def two_level_groups(dims: ParallelDims, device: torch.device) -> tuple:
-    """HFSDP: ``(inner_group, outer_group)`` for the two-level grad reduction, or ``(None, None)``
-    when not HFSDP or the hybrid group's rank order does not nest (outer-major). Every rank must
-    take the same branch (the collectives differ), so the ranks agree with one MIN all-reduce."""
-    if dims.shard_group is None or dims.outer_group is None:
-        return None, None
-    inner = dims.inner_mesh.get_group()
-    nests = dist.get_rank(dims.shard_group) == (dist.get_rank(dims.outer_group) * dist.get_world_size(inner)
-                                                + dist.get_rank(inner))
-    flag = torch.tensor([int(nests)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return (inner, dims.outer_group) if flag.item() else (None, None)

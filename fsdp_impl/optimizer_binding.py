@@ -1,5 +1,5 @@
-"""Optimizer integration: point the user's optimizer at the DTensor shards and make
-``zero_grad`` reset the FSDP accumulation buffers.
+"""Bind the user's optimizer to a wrapped model: remap its param groups onto the DTensor shards
+and make ``zero_grad`` reset the FSDP grad buffers too.
 
 The optimizer object keeps its class behaviour, hyper-parameters and param groups; its class is
 swapped for a one-off subclass that adds the buffer reset (``isinstance`` checks keep working).
@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from .decoupled import clear_grads
 from .engine import FSDPEngine
-from .module import reset_decoupled_grads
+
+# Attribute on each sharded param: a weakref to its model's engine, so an optimizer built on
+# ``model.parameters()`` can find the engines whose buffers its ``zero_grad`` must reset.
+ENGINE_REF_ATTR = "_fsdp_engine_ref"
 
 
 def remap_optimizer_params(optimizer: torch.optim.Optimizer, mapping: dict[int, torch.nn.Parameter]) -> None:
@@ -34,17 +38,18 @@ def remap_optimizer_params(optimizer: torch.optim.Optimizer, mapping: dict[int, 
     optimizer.state.clear()
 
 
-class _FSDPOptimizerMixin:
-    """Adds the FSDP buffer reset to ``zero_grad``."""
+class _FSDPOptimizerMixin(torch.optim.Optimizer):
+    """Adds the FSDP buffer reset to ``zero_grad``. Only ever a base next to the user's optimizer
+    class (``_FSDPOptimizerMixin, cls``), so ``super()`` is that class's ``zero_grad``."""
 
     _fsdp_engines: list[FSDPEngine]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for engine in self._fsdp_engines:
             engine.zero_grad_buffers(free=set_to_none)
-        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
-        if any(e.use_decoupled_grad for e in self._fsdp_engines):
-            reset_decoupled_grads((p for g in self.param_groups for p in g["params"]), set_to_none)  # type: ignore[attr-defined]
+        super().zero_grad(set_to_none=set_to_none)
+        params = (p for g in self.param_groups for p in g["params"])
+        clear_grads(params, any(e.use_decoupled_grad for e in self._fsdp_engines), set_to_none)
 
 
 def attach_engines(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine]) -> torch.optim.Optimizer:
@@ -56,5 +61,6 @@ def attach_engines(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine]) 
         return optimizer
     cls = type(optimizer)
     optimizer.__class__ = type(f"FSDP{cls.__name__}", (_FSDPOptimizerMixin, cls), {"__module__": cls.__module__})
+    assert isinstance(optimizer, _FSDPOptimizerMixin)
     optimizer._fsdp_engines = list(engines)
     return optimizer

@@ -18,7 +18,7 @@ from collections.abc import Generator
 
 import pytest
 
-from harness.junit_read import (
+from harness.report.junit_read import (
     BUG_ID_RE,
     PARAM_PROPERTY_PREFIX,
     REGRESSION_DESCRIPTION_PROPERTY,

@@ -18,7 +18,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from harness.junit_read import (
+from harness.report.junit_read import (
     BUG_ID_RE,
     ERROR,
     FAILED,

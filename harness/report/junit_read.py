@@ -236,7 +236,7 @@ def read_junit_file(path: pathlib.Path, label: str) -> list[TestCase]:
         raise JunitError(
             f"{path} is not JUnit XML: root element is <{root.tag}>, "
             "expected <testsuites> or <testsuite>")
-    cases = []
+    cases: list[TestCase] = []
     for suite in suites:
         name = suite.get("name", DEFAULT_SUITE_NAME)
         run = name if name and name != DEFAULT_SUITE_NAME else label

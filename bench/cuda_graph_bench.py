@@ -1,0 +1,181 @@
+"""Eager vs CUDA-graph replay step time of ours ZeRO-3, on a launch-bound model and on the bench GPT.
+
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    torchrun --standalone --nproc-per-node 2 bench/cuda_graph_bench.py --configs small,1.3b --md graph.md
+
+Per config, three fresh builds from the same init and data (seed 0):
+
+- ``eager``: ``fsdp_impl.fully_shard`` as in the suite (torch AdamW);
+- ``eager-graph-mode``: ``fully_shard(..., cuda_graph_mode=True)`` with
+  ``fsdp_impl.optim.AdamW(capturable=True)``, stepped eagerly with ``zero_grad(set_to_none=False)``;
+- ``graph``: the same, captured with ``fsdp_impl.cuda_graph.capture_train_step(model, optimizer,
+  step_fn, static_inputs, warmup=3)`` and timed by ``.replay()``. ``step_fn(inputs, target)`` runs
+  forward, loss and backward and returns the loss; the captured step owns the optimizer step and
+  the grad reset (the optimizer is handed to it).
+
+The small config (8 layers, hidden 512, micro-batch 2, seq 256, vocab 8192) is launch-bound: its
+eager step is mostly host time, which replay removes. If ``capture_train_step`` (or the
+graph-mode wrap) is not there, the script says so, writes that into ``--md`` and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.nn.functional as F
+
+from bench import impls, runtime
+from bench.gpt import GPT, Block, GPTConfig
+from bench.runtime import Env
+
+CONFIGS: dict[str, tuple[GPTConfig, int]] = {  # name -> (model, micro-batch)
+    "small": (GPTConfig(vocab=8192, hidden=512, layers=8, heads=8, seq=256), 2),
+    **{k: (v, 4) for k, v in impls.SIZES.items() if k != "tiny"},
+}
+
+
+def capture_api() -> tuple[Callable | None, str]:
+    """``fsdp_impl.cuda_graph.capture_train_step`` or the reason it is missing."""
+    try:
+        mod = importlib.import_module("fsdp_impl.cuda_graph")
+    except ImportError as err:
+        return None, f"fsdp_impl.cuda_graph is not importable ({err})"
+    fn = getattr(mod, "capture_train_step", None)
+    if fn is None:
+        return None, "fsdp_impl.cuda_graph has no capture_train_step"
+    return fn, ""
+
+
+def _build(cfg: GPTConfig, env: Env, graph_mode: bool):
+    import fsdp_impl
+
+    torch.manual_seed(0)
+    with torch.device(env.device):
+        module = GPT(cfg).to(torch.bfloat16)
+    opt: torch.optim.Optimizer
+    if graph_mode:
+        opt = fsdp_impl.optim.AdamW(module.parameters(), lr=impls.LR, capturable=True)
+    else:
+        opt = torch.optim.AdamW(module.parameters(), lr=impls.LR)
+    policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+    return fsdp_impl.fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params",
+                                 mixed_precision_policy=policy, cuda_graph_mode=graph_mode)
+
+
+def _data(cfg: GPTConfig, env: Env, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=env.device).manual_seed(1234 + env.rank)
+    tokens = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq + 1), device=env.device, generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _timed(env: Env, step: Callable[[], torch.Tensor], warmup: int, steps: int) -> tuple[float, list[float]]:
+    losses = [float(step()) for _ in range(warmup)]
+    timer = runtime.StepTimer(env)
+    timer.mark()
+    for _ in range(steps):
+        loss = step()
+        timer.mark()
+    durations = timer.durations()
+    losses.append(float(loss))
+    return runtime.all_max(env, [statistics.median(durations)])[0], losses
+
+
+def _replay_step(graph) -> Callable[[], torch.Tensor]:
+    def step() -> torch.Tensor:
+        graph.replay()
+        return graph.static_loss.detach().clone()
+    return step
+
+
+def _eager_step(step_fn: Callable, opt: torch.optim.Optimizer, inputs: torch.Tensor, target: torch.Tensor,
+                set_to_none: bool) -> Callable[[], torch.Tensor]:
+    def step() -> torch.Tensor:
+        loss = step_fn(inputs, target)
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        return loss.detach()
+    return step
+
+
+def run_config(env: Env, name: str, capture: Callable, warmup: int, steps: int) -> list[dict]:
+    cfg, mb = CONFIGS[name]
+    inputs, target = _data(cfg, env, mb)
+    rows = []
+    for mode in ("eager", "eager-graph-mode", "graph"):
+        model, opt = _build(cfg, env, graph_mode=mode != "eager")
+
+        def step_fn(x: torch.Tensor, y: torch.Tensor, model=model) -> torch.Tensor:
+            loss = F.cross_entropy(model(x).float().view(-1, cfg.vocab), y.reshape(-1))
+            loss.backward()
+            return loss
+
+        step = (_replay_step(capture(model, opt, step_fn, (inputs, target), warmup=3)) if mode == "graph"
+                else _eager_step(step_fn, opt, inputs, target, set_to_none=mode == "eager"))
+        step_s, losses = _timed(env, step, warmup, steps)
+        rows.append({"config": name, "mode": mode, "step_ms": 1e3 * step_s, "loss_first": losses[0],
+                     "loss_last": losses[-1], "finite": all(math.isfinite(x) for x in losses)})
+        del model, opt, step
+        runtime.free_memory(env)
+    return rows
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    eager = {r["config"]: r["step_ms"] for r in rows if r["mode"] == "eager"}
+    lines = [header, "", "| config | mode | step ms (median) | eager / this | loss first → last |",
+             "| --- | --- | ---: | ---: | --- |"]
+    for r in rows:
+        flag = "" if r["finite"] else " NON-FINITE"
+        lines.append(f"| {r['config']} | {r['mode']} | {r['step_ms']:.2f} | {eager[r['config']] / r['step_ms']:.2f}× "
+                     f"| {r['loss_first']:.4f} → {r['loss_last']:.4f}{flag} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.suite import csv_list
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", type=csv_list(list(CONFIGS)), default=["small", "1.3b"])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--md", type=Path, default=None)
+    args = p.parse_args(argv)
+    capture, why = capture_api()
+    if capture is None or not torch.cuda.is_available():
+        why = why or "needs CUDA"
+        text = f"# CUDA-graph bench\n\nSKIP: {why}; nothing measured.\n"
+        print(text, flush=True)
+        if args.md is not None:
+            args.md.write_text(text)
+        return 0
+    env = runtime.init("cuda")
+    rows: list[dict] = []
+    try:
+        for name in args.configs:
+            try:
+                rows += run_config(env, name, capture, args.warmup, args.steps)
+            except Exception as err:  # a capture failure: report it, try the next config
+                if env.rank == 0:
+                    print(f"[graph] {name}: ERROR {type(err).__name__}: {err}", flush=True)
+                runtime.free_memory(env)
+        if env.rank == 0:
+            header = f"# CUDA-graph bench, world {env.world}, {runtime.device_name(env)}, ours ZeRO-3"
+            text = markdown(rows, header) if rows else header + "\n\nNo config completed.\n"
+            print(text, flush=True)
+            if args.md is not None:
+                args.md.write_text(text)
+    finally:
+        runtime.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

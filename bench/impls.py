@@ -1,0 +1,232 @@
+"""The implementations the benchmark compares, each built fresh on the bench GPT.
+
+All of them train the same model (``bench.gpt``, units = blocks) from the same init (seed 0) on
+the same per-rank tokens with AdamW (lr 1e-4, torch defaults otherwise), bf16 compute and fp32
+main params, grads and optimizer state:
+
+- ``ours-z3`` / ``ours-z2``: ``fsdp_impl.fully_shard`` on a bf16 module (compute in the module's
+  dtype) with ``MixedPrecisionPolicy(main_params_dtype=fp32, main_grads_dtype=fp32)``, ZeRO-3
+  (``optim_grads_params``) / ZeRO-2 (``optim_grads``) over all ranks.
+- ``ours-hsdp``: the same on a (dp_outer=world, dp_shard=1) mesh, outer ``no_shard``, inner
+  ``optim_grads_params``: replicated, one all-reduce per unit across dp_outer (world >= 2).
+- ``megatron-fsdp``: megatron_fsdp.fully_shard with the same arguments as ``ours-z3``.
+- ``fsdp2`` / ``fsdp2-noreshard``: ``torch.distributed.fsdp.fully_shard`` per block and root on the
+  fp32 module, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``,
+  ``reshard_after_forward`` True / False.
+- ``ddp``: DistributedDataParallel over the fp32 module under ``torch.autocast(bf16)``, fp32
+  all-reduce (``gradient_as_bucket_view=True``).
+- ``ceiling``: the fp32 module under ``torch.autocast(bf16)``, no data parallelism (every rank
+  trains its own copy, no communication): the one-GPU speed of the same model and batch.
+
+Autocast (``ddp``, ``ceiling``) keeps norms, softmax and the loss in fp32 and casts weights per
+matmul; the FSDP runs compute every op in bf16. Same storage dtypes, not bit-identical math.
+The ours/megatron bf16 module is the bf16 rounding of the fp32 init the others start from.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bench.gpt import GPT, Block, GPTConfig
+from bench.runtime import Env
+
+SIZES: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(vocab=512, hidden=64, layers=2, heads=4, seq=64),  # CPU smoke runs
+    "0.35b": GPTConfig(hidden=1024, layers=24, heads=16),
+    "1.3b": GPTConfig(hidden=2048, layers=24, heads=16),
+    "2.7b": GPTConfig(hidden=2560, layers=32, heads=32),
+    "7b": GPTConfig(hidden=4096, layers=32, heads=32),
+}
+LR = 1e-4
+
+
+@dataclass
+class Trainee:
+    """A built implementation: the step is split in phases so memory snapshots can name them."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    inputs: torch.Tensor
+    target: torch.Tensor
+    vocab: int
+    autocast: bool
+
+    def forward_loss(self) -> torch.Tensor:
+        ctx = (torch.autocast(self.inputs.device.type, dtype=torch.bfloat16) if self.autocast
+               else contextlib.nullcontext())
+        with ctx:
+            logits = self.model(self.inputs)
+        return F.cross_entropy(logits.float().view(-1, self.vocab), self.target.reshape(-1))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def step(self) -> torch.Tensor:
+        loss = self.forward_loss()
+        self.backward(loss)
+        self.optimizer_step()
+        return loss.detach()
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    setup: str  # one line for the report
+    build: Callable[[nn.Module, Env], tuple[nn.Module, torch.optim.Optimizer]]
+    module_dtype: torch.dtype  # dtype the fresh module is cast to before wrapping
+    autocast: bool
+    min_world: int = 1
+    needs_module: str | None = None  # an importable module this impl needs
+    # bytes per parameter that stay on each GPU (params, grads, optimizer state), for the fit check
+    persistent_bytes: Callable[[int], float] = lambda world: 16.0
+
+
+def _adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def _ours(strategy: str, hsdp: bool, module: nn.Module, env: Env):
+    import fsdp_impl
+
+    kwargs: dict = {}
+    if hsdp:
+        mesh = _hsdp_mesh(env)
+        kwargs = dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+                      hybrid_fsdp_group=mesh["hsdp"].get_group(), outer_dp_sharding_strategy="no_shard")
+    policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+    model, opt = fsdp_impl.fully_shard(module, _adamw(module.parameters()), fsdp_unit_modules=[Block],
+                                       zero_dp_strategy=strategy, mixed_precision_policy=policy, **kwargs)
+    return model, opt
+
+
+@functools.cache
+def _mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...], flatten: str | None = None):
+    """One mesh per process and shape: building it again would create new communicators every cell."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    if flatten is not None:
+        mesh[names]._flatten(flatten)
+    return mesh
+
+
+def _hsdp_mesh(env: Env):
+    return _mesh(env.device.type, (env.world, 1), ("dp_outer", "dp_shard"), "hsdp")
+
+
+def _megatron(module: nn.Module, env: Env):
+    """The mesh megatron_fsdp would build itself for device_mesh=None, made once and reused."""
+    import megatron_fsdp
+
+    mesh = _mesh(env.device.type, (env.world, 1), ("fsdp", "tp"))
+    policy = megatron_fsdp.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+    return megatron_fsdp.fully_shard(module, _adamw(module.parameters()), device_mesh=mesh, dp_shard_dim="fsdp",
+                                     tp_dim="tp", fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params",
+                                     mixed_precision_policy=policy)
+
+
+def _fsdp2(reshard: bool, module: nn.Module, env: Env):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    blocks: nn.ModuleList = module.blocks  # type: ignore[assignment]
+    for blk in blocks:
+        fully_shard(blk, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(module, mp_policy=mp, reshard_after_forward=reshard)
+    return module, _adamw(module.parameters())
+
+
+def _ddp(module: nn.Module, env: Env):
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [env.device.index] if env.is_cuda else None
+    model = DistributedDataParallel(module, device_ids=ids, gradient_as_bucket_view=True)
+    return model, _adamw(model.parameters())
+
+
+def _ceiling(module: nn.Module, env: Env):
+    return module, _adamw(module.parameters())
+
+
+_FSDP_BF16 = "bf16 module, fp32 main params + grads (MixedPrecisionPolicy), units = blocks"
+IMPLS: dict[str, Impl] = {i.name: i for i in (
+    Impl("ours-z3", f"fsdp_impl ZeRO-3 (optim_grads_params), {_FSDP_BF16}",
+         functools.partial(_ours, "optim_grads_params", False), torch.bfloat16, False,
+         persistent_bytes=lambda w: 16.0 / w),
+    Impl("ours-z2", f"fsdp_impl ZeRO-2 (optim_grads), {_FSDP_BF16}",
+         functools.partial(_ours, "optim_grads", False), torch.bfloat16, False,
+         persistent_bytes=lambda w: 12.0 / w + 4.0),  # bf16 compute params + grads stay full size
+    Impl("ours-hsdp", f"fsdp_impl HSDP mesh (dp_outer=world, dp_shard=1), outer no_shard, inner ZeRO-3, {_FSDP_BF16}",
+         functools.partial(_ours, "optim_grads_params", True), torch.bfloat16, False,
+         min_world=2, persistent_bytes=lambda w: 16.0),
+    Impl("megatron-fsdp", f"megatron_fsdp.fully_shard ZeRO-3, {_FSDP_BF16}", _megatron, torch.bfloat16, False,
+         needs_module="megatron_fsdp", persistent_bytes=lambda w: 16.0 / w),
+    Impl("fsdp2", "torch fully_shard per block + root, fp32 module, param bf16 / reduce fp32, reshard after forward",
+         functools.partial(_fsdp2, True), torch.float32, False, persistent_bytes=lambda w: 16.0 / w),
+    Impl("fsdp2-noreshard", "as fsdp2 with reshard_after_forward=False",
+         functools.partial(_fsdp2, False), torch.float32, False, persistent_bytes=lambda w: 16.0 / w + 2.0),
+    Impl("ddp", "DistributedDataParallel, fp32 module under torch.autocast(bf16) (norms, softmax in fp32), "
+         "fp32 all-reduce", _ddp, torch.float32, True, persistent_bytes=lambda w: 16.0),
+    Impl("ceiling", "fp32 module under torch.autocast(bf16), no data parallelism (each GPU trains its own copy)",
+         _ceiling, torch.float32, True, persistent_bytes=lambda w: 16.0),
+)}
+DEFAULT_IMPLS = tuple(IMPLS)
+
+
+def unavailable_reason(name: str, world: int) -> str | None:
+    """Why ``name`` cannot run here (None when it can); the same answer on every rank."""
+    impl = IMPLS[name]
+    if world < impl.min_world:
+        return f"needs world >= {impl.min_world} (have {world})"
+    if impl.needs_module and importlib.util.find_spec(impl.needs_module) is None:
+        return f"python module {impl.needs_module!r} not installed"
+    return None
+
+
+def estimated_bytes(name: str, cfg: GPTConfig, micro_batch: int, world: int) -> float:
+    """A rough per-GPU need (persistent state + activations + fp32 logits) for the fit check.
+
+    Activations: ~34 bytes per token per hidden unit per layer in bf16 (attention through SDPA);
+    logits: bf16 logits, their fp32 copy, softmax and its grad.
+    """
+    n = num_params_of(cfg)
+    tokens = micro_batch * cfg.seq
+    return (IMPLS[name].persistent_bytes(world) * n + 34.0 * tokens * cfg.hidden * cfg.layers
+            + 14.0 * tokens * cfg.vocab)
+
+
+def num_params_of(cfg: GPTConfig) -> int:
+    """Parameter count of ``GPT(cfg)`` in closed form (tied head): embeddings, per block two
+    LayerNorms (4h), qkv (3h^2+3h), proj (h^2+h), fc1 (4h^2+4h), fc2 (4h^2+h), final LayerNorm."""
+    h = cfg.hidden
+    return cfg.vocab * h + cfg.seq * h + cfg.layers * (12 * h * h + 13 * h) + 2 * h
+
+
+def build(name: str, cfg: GPTConfig, env: Env, micro_batch: int, data_seed: int = 1234) -> Trainee:
+    """Fresh module (seed 0, built on the device), wrapped by ``name``, with this rank's tokens."""
+    impl = IMPLS[name]
+    torch.manual_seed(0)
+    with torch.device(env.device):
+        module = GPT(cfg)
+    if impl.module_dtype != torch.float32:
+        module = module.to(impl.module_dtype)
+    model, opt = impl.build(module, env)
+    g = torch.Generator(device=env.device).manual_seed(data_seed + env.rank)
+    tokens = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq + 1), device=env.device, generator=g)
+    return Trainee(model, opt, tokens[:, :-1], tokens[:, 1:], cfg.vocab, impl.autocast)
+
+
+def setups(names: list[str]) -> dict[str, str]:
+    """One line per implementation, for the report (all: AdamW lr 1e-4, same init and data)."""
+    return {n: IMPLS[n].setup for n in names}

@@ -1,0 +1,153 @@
+"""Process-group set-up, timing and memory probes shared by the benchmark scripts.
+
+One process per GPU under ``torchrun`` (NCCL), or CPU with gloo for a smoke run on a machine
+without a GPU (``--device cpu``): the same code path, only the timer and the memory probes change
+(CUDA events and the caching allocator's counters on GPU; a host clock and zeros on CPU).
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# NVLink multicast can take a host's GPUs out of service; every benchmark keeps it off.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Env:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def check_no_multicast() -> None:
+    """Refuse to run with NVLink multicast enabled (or not explicitly disabled)."""
+    wrong = {k: os.environ.get(k) for k, v in NO_MULTICAST.items() if os.environ.get(k) != v}
+    if wrong:
+        want = " ".join(f"{k}={v}" for k, v in NO_MULTICAST.items())
+        raise SystemExit(f"NVLink multicast must stay off: export {want} (found {wrong})")
+
+
+def init(device: str, timeout_s: int = 180) -> Env:
+    """Initialise the default process group (a 1-rank group when not under torchrun).
+
+    ``device`` is ``auto`` (CUDA when present), ``cuda`` or ``cpu``. The collective timeout is
+    short so that a rank stuck in a collective (another rank failed) ends the run instead of
+    eating the whole GPU lease; results already written survive.
+    """
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device must be one of auto, cuda, cpu; got {device!r}")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        check_no_multicast()
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda asked for, but torch sees no CUDA GPU")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if use_cuda:
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if use_cuda:  # device_id: NCCL communicators are made eagerly, outside any timed region
+            dist.init_process_group("nccl", timeout=timeout, device_id=dev)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+    return Env(dist.get_rank(), dist.get_world_size(), local, dev)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def sync(env: Env) -> None:
+    if env.is_cuda:
+        torch.cuda.synchronize(env.device)
+
+
+def all_max(env: Env, values: list[float]) -> list[float]:
+    """Element-wise max over ranks (the slowest rank sets throughput; the fullest GPU the memory)."""
+    t = torch.tensor(values, dtype=torch.float64, device=env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def rank0_decides(env: Env, decision: bool) -> bool:
+    """Rank 0's decision, on every rank (keeps skip/run choices identical, so no rank waits alone)."""
+    t = torch.tensor([1 if decision else 0], dtype=torch.int32, device=env.device)
+    dist.broadcast(t, src=0)
+    return bool(t.item())
+
+
+def free_memory(env: Env) -> None:
+    """Drop what the last cell left: reference cycles first (hooks, closures), then cached blocks."""
+    gc.collect()
+    if env.is_cuda:
+        torch.cuda.synchronize(env.device)
+        torch.cuda.empty_cache()
+
+
+def allocated(env: Env) -> int:
+    return torch.cuda.memory_allocated(env.device) if env.is_cuda else 0
+
+
+def reset_peak(env: Env) -> None:
+    if env.is_cuda:
+        torch.cuda.reset_peak_memory_stats(env.device)
+
+
+def peak_allocated(env: Env) -> int:
+    return torch.cuda.max_memory_allocated(env.device) if env.is_cuda else 0
+
+
+def peak_reserved(env: Env) -> int:
+    return torch.cuda.max_memory_reserved(env.device) if env.is_cuda else 0
+
+
+def total_memory(env: Env) -> int:
+    return torch.cuda.get_device_properties(env.device).total_memory if env.is_cuda else 0
+
+
+def device_name(env: Env) -> str:
+    return torch.cuda.get_device_name(env.device) if env.is_cuda else "cpu"
+
+
+class StepTimer:
+    """Per-step durations in seconds: CUDA events on GPU (no sync inside the loop), host clock on CPU."""
+
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.env.is_cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def durations(self) -> list[float]:
+        """Seconds between consecutive marks (synchronises once, at the end)."""
+        sync(self.env)
+        if self.env.is_cuda:
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]

@@ -1,0 +1,155 @@
+"""How a unit's gradients get reduced across the data-parallel groups.
+
+A unit hands its full-size grads (every trainable param packed into its padded slots of the
+unit's ``FlatLayout``: ``[n, segment]`` for ``n`` shards) to its reducer, which adds the average
+over the data-parallel ranks into the unit's main-grad shard (``DataParallelBuffer``):
+
+* ``ShardGroupReduce`` (plain FSDP, HSDP's inner level, CP through a flattened dim): one
+  reduce-scatter (AVG) over the shard group, or an all-reduce (AVG) for no_shard.
+* ``TwoLevelReduceScatter`` (HFSDP, shard group = hybrid group = dp_outer x dp_shard): a
+  reduce-scatter inside dp_shard every backward, accumulated, and one across dp_outer on the
+  sync backward only, so grad traffic crosses dp_outer once per optimisation cycle.
+* ``OuterGradReducer`` (HSDP, units shard inside dp_shard and every dp_outer replica holds the
+  same shards): on the sync backward, after every unit's shard-group reduction, each unit's
+  main-grad shard is all-reduced (AVG) across dp_outer. AVG is linear, so reducing the
+  accumulated sum once equals reducing every microbatch.
+
+Reductions run on the model's reduce stream (a no-op on CPU); each ``reduce`` returns the event
+that marks it done. Every rank calls them in the engine's unit order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from . import comm
+from .buffers import DataParallelBuffer
+from .device import CommStream
+from .parallel_dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class TwoLevelGroups:
+    """HFSDP's two grad-reduction levels: ``inner`` = dp_shard (x cp), ``outer`` = dp_outer."""
+
+    inner: dist.ProcessGroup
+    outer: dist.ProcessGroup
+
+
+def two_level_groups(dims: ParallelDims, device: torch.device) -> TwoLevelGroups | None:
+    """HFSDP: the groups of the two-level grad reduction, or ``None`` when not HFSDP or the
+    hybrid group's rank order does not nest (outer-major). Every rank must take the same branch
+    (the collectives differ), so the ranks agree with one MIN all-reduce over the world."""
+    if dims.shard_group is None or dims.outer_group is None:
+        return None
+    inner = dims.inner_mesh.get_group()
+    nests = dist.get_rank(dims.shard_group) == (dist.get_rank(dims.outer_group) * dist.get_world_size(inner)
+                                                + dist.get_rank(inner))
+    flag = torch.tensor([int(nests)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return TwoLevelGroups(inner, dims.outer_group) if flag.item() else None
+
+
+class ShardGroupReduce:
+    """One level: average over the shard group straight into the unit's grad shard."""
+
+    def __init__(self, group: dist.ProcessGroup, all_reduce: bool, stream: CommStream,
+                 device: torch.device) -> None:
+        self.group = group
+        self.all_reduce = all_reduce  # no_shard: every rank keeps the whole (averaged) grad
+        self.stream = stream
+        self.device = device
+
+    def reduce(self, full: torch.Tensor, grad: DataParallelBuffer, sync: bool) -> torch.cuda.Event | None:
+        """Reduce ``full`` (every backward; ``sync`` does not matter for one level)."""
+        grad.ensure_allocated()
+        with self.stream.use():
+            if self.all_reduce:
+                comm.all_reduce_avg(full, self.group)
+                grad.data.add_(full)
+            else:
+                out = torch.empty(grad.layout.segment_numel, dtype=full.dtype, device=self.device)
+                comm.reduce_scatter_avg(out, full, self.group)
+                grad.data.add_(out)
+        self.stream.keep_alive(full)
+        return self.stream.record()
+
+    def clear(self) -> None:
+        """Nothing is held between backwards."""
+
+
+class TwoLevelReduceScatter:
+    """HFSDP: average inside dp_shard now and accumulate; average across dp_outer (and land in
+    the hybrid shard) only on the sync backward.
+
+    The hybrid rank is ``outer_rank * inner_size + inner_rank`` (checked by
+    ``two_level_groups``), so ``full`` viewed as ``[outer, inner, segment]`` and transposed to
+    ``[inner, outer * segment]`` reduce-scatters into this inner rank's ``[outer, segment]``.
+    """
+
+    def __init__(self, groups: TwoLevelGroups, stream: CommStream, device: torch.device,
+                 accum_dtype: torch.dtype) -> None:
+        self.groups = groups
+        self.stream = stream
+        self.device = device
+        self.accum_dtype = accum_dtype  # the main-grads dtype
+        self._inner_accum: torch.Tensor | None = None  # inner-reduced, not yet synced grads
+
+    def reduce(self, full: torch.Tensor, grad: DataParallelBuffer, sync: bool) -> torch.cuda.Event | None:
+        seg = grad.layout.segment_numel
+        n_in, n_out = dist.get_world_size(self.groups.inner), dist.get_world_size(self.groups.outer)
+        with self.stream.use():
+            by_inner = full.view(n_out, n_in, seg).transpose(0, 1).contiguous().view(-1)
+            part = by_inner[: n_out * seg] if n_in == 1 else torch.empty(n_out * seg, dtype=full.dtype,
+                                                                         device=self.device)
+            if n_in > 1:
+                comm.reduce_scatter_avg(part, by_inner, self.groups.inner)
+            if self._inner_accum is None:
+                self._inner_accum = torch.zeros(n_out * seg, dtype=self.accum_dtype, device=self.device)
+            self._inner_accum.add_(part)
+            if sync:
+                grad.ensure_allocated()
+                out = self._inner_accum.to(full.dtype)
+                if n_out > 1:
+                    out, acc = torch.empty(seg, dtype=full.dtype, device=self.device), out
+                    comm.reduce_scatter_avg(out, acc, self.groups.outer)
+                grad.data.add_(out)
+                self._inner_accum = None
+        self.stream.keep_alive(full)
+        return self.stream.record()
+
+    def clear(self) -> None:
+        """Drop the accumulated, unsynced grads (``zero_grad``)."""
+        self._inner_accum = None
+
+
+UnitGradReduce = ShardGroupReduce | TwoLevelReduceScatter
+
+
+def unit_grad_reduce(group: dist.ProcessGroup, all_reduce: bool, two_level: TwoLevelGroups | None,
+                     stream: CommStream, device: torch.device, accum_dtype: torch.dtype) -> UnitGradReduce:
+    """The reducer of one unit: two levels when HFSDP's groups nest, else one."""
+    if two_level is not None:
+        return TwoLevelReduceScatter(two_level, stream, device, accum_dtype)
+    return ShardGroupReduce(group, all_reduce, stream, device)
+
+
+class OuterGradReducer:
+    """HSDP: averages every unit's main-grad shard across the dp_outer replicas, once per
+    optimisation cycle (called by the engine on the sync backward, before grads are installed)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def reduce(self, grad_buffers: list[DataParallelBuffer | None]) -> None:
+        """``grad_buffers``: the units' grad buffers (``None`` for frozen-only units), in the
+        engine's unit order, identical on every rank."""
+        with record_function("FSDP::hsdp_outer_reduce"):
+            for buf in grad_buffers:
+                if buf is None or not buf.data.numel():
+                    continue
+                buf.ensure_allocated()  # zero_grad(set_to_none=True) may have freed it
+                comm.all_reduce_avg(buf.data, self.group)

@@ -1,0 +1,136 @@
+"""bench.suite / bench.report: argument checks, cell order, the time budget, medians and targets, and a
+one-process CPU smoke run of the whole suite (tiny model, gloo) that also exercises the profile path."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import impls, report, suite
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_defaults_and_csv_lists() -> None:
+    a = suite.parse_args([])
+    assert a.sizes == ["1.3b"] and a.impls == list(impls.IMPLS) and a.reps == 3
+    a = suite.parse_args(["--sizes", "0.35b,2.7b", "--impls", "fsdp2,ours-z3", "--reps", "5"])
+    assert a.sizes == ["0.35b", "2.7b"] and a.impls == ["fsdp2", "ours-z3"] and a.reps == 5
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--sizes", "1.3b,9b"], "allowed values: tiny,0.35b,1.3b,2.7b,7b"),
+    (["--impls", "ours-z4"], "allowed values: ours-z3"),
+    (["--reps", "0"], "must be >= 1"),
+    (["--impls", ","], "empty list"),
+])
+def test_bad_arguments_name_the_allowed_values(argv, needle, capsys) -> None:
+    with pytest.raises(SystemExit):
+        suite.parse_args(argv)
+    assert needle in capsys.readouterr().err
+
+
+def test_plan_alternates_impls_inside_each_repetition() -> None:
+    assert suite.plan(["a", "b"], ["X", "Y"], 2) == [
+        ("a", 1, "X"), ("a", 1, "Y"), ("a", 2, "X"), ("a", 2, "Y"),
+        ("b", 1, "X"), ("b", 1, "Y"), ("b", 2, "X"), ("b", 2, "Y")]
+
+
+def test_budget_estimates_from_measured_cells() -> None:
+    b = suite.Budget(limit_s=10.0, start=time.monotonic())
+    assert b.estimate("1.3b", "fsdp2") == 0.0 and b.fits("1.3b", "fsdp2")  # nothing measured: run it
+    b.record("1.3b", "fsdp2", 4.0)
+    b.record("1.3b", "ddp", 6.0)
+    assert b.estimate("1.3b", "fsdp2") == 4.0
+    assert b.estimate("1.3b", "ours-z3") == 6.0  # slowest of the size
+    ratio = impls.num_params_of(impls.SIZES["2.7b"]) / impls.num_params_of(impls.SIZES["1.3b"])
+    assert b.estimate("2.7b", "ddp") == pytest.approx(6.0 * ratio)
+    assert b.fits("1.3b", "fsdp2") and not b.fits("2.7b", "ddp")
+
+
+def _row(size: str, impl: str, rep: int, tok: float, peak: float = 20.0, loss: float = 10.4) -> dict:
+    return {"kind": "cell", "size": size, "impl": impl, "rep": rep, "tok_s_per_gpu": tok, "step_s": 8192 / tok,
+            "peak_gib": peak, "rest_gib": 5.0, "build_gib": 3.0, "loss_first": loss, "finite": True}
+
+
+def test_report_medians_ratios_and_targets() -> None:
+    rows = [_row("1.3b", "fsdp2", r, t, 22.8) for r, t in ((1, 100.0), (2, 90.0), (3, 110.0))]
+    rows += [_row("1.3b", "ours-z3", r, t, 22.0) for r, t in ((1, 104.0), (2, 95.0), (3, 113.0))]
+    rows += [_row("1.3b", "ceiling", r, 106.0) for r in (1, 2, 3)]
+    rows += [{"kind": "skip", "size": "1.3b", "impl": "ours-z2", "rep": 1, "reason": "time budget"}]
+    cells = report.summarise(rows)
+    z3 = next(c for c in cells if c.impl == "ours-z3")
+    assert (z3.tok_s, z3.tok_s_min, z3.tok_s_max, z3.reps) == (104.0, 95.0, 113.0, 3)
+    assert report.ratio(cells, "1.3b", "ours-z3", "fsdp2") == pytest.approx(1.04)
+    assert report.paired_ratios(cells, "1.3b", "ours-z3", "fsdp2") == pytest.approx([1.04, 95 / 90, 113 / 110])
+    verdicts = {t: v for _, t, v in report.targets(cells)}
+    assert verdicts["ours-z3 ≥ 1.03× fsdp2"].startswith("met: 1.040, per rep 1.027–1.056")
+    assert verdicts["ours-z3 peak ≤ fsdp2 peak"].startswith("met: 22.00 vs 22.80")
+    assert verdicts["ours-z3 ≥ 0.97× ceiling"].startswith("met: 0.981")
+    assert verdicts["ours-z2 ≥ 1.00× fsdp2-noreshard"] == "n/a (not measured)"
+    text = report.markdown(rows)
+    assert "| 1.3b | ours-z3 | 3 | 104 | 95–113 |" in text
+    assert "- skip: 1.3b ours-z2 rep 1: time budget" in text
+    assert "Loss check FAILED" not in text
+
+
+def test_report_flags_a_different_first_loss() -> None:
+    rows = [_row("1.3b", "fsdp2", 1, 100.0), _row("1.3b", "ceiling", 1, 100.0),
+            _row("1.3b", "ours-z3", 1, 100.0, loss=11.0)]
+    text = report.markdown(rows)
+    assert "Loss check FAILED" in text and "1.3b ours-z3: first-step loss 11.0000" in text
+
+
+def test_param_count_formula_matches_the_model() -> None:
+    import torch
+
+    from bench.gpt import GPT, num_params
+
+    for cfg in (impls.SIZES["tiny"], impls.GPTConfig(vocab=100, hidden=32, layers=3, heads=2, seq=16)):
+        with torch.device("meta"):
+            assert impls.num_params_of(cfg) == num_params(GPT(cfg))
+
+
+def test_fit_estimate_skips_unsharded_7b_but_not_sharded() -> None:
+    h200 = 139 * 2**30
+    cfg = impls.SIZES["7b"]
+    assert impls.estimated_bytes("ceiling", cfg, 4, 2) > 0.92 * h200
+    assert impls.estimated_bytes("ours-z3", cfg, 4, 2) < 0.92 * h200
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cpu_smoke_run_of_the_whole_suite(tmp_path) -> None:
+    """World 1, gloo: every impl that can run on one CPU rank builds, trains and is freed; the first
+    losses agree across impls (same init and data); the profile path writes its report."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+               LOCAL_RANK="0", PYTHONPATH=str(REPO), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1")
+    out = tmp_path / "s.jsonl"
+    cmd = [sys.executable, str(REPO / "bench" / "suite.py"), "--device", "cpu", "--sizes", "tiny",
+           "--impls", "ours-z3,ours-hsdp,fsdp2,ceiling", "--reps", "2", "--steps", "1", "--warmup", "1",
+           "--out", str(out), "--md", str(tmp_path / "s.md"), "--trace-impls", "ours-z3",
+           "--trace-size", "tiny", "--trace-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["kind"] == "meta" and rows[0]["world"] == 1
+    cells = [(r["rep"], r["impl"]) for r in rows if r["kind"] == "cell"]
+    assert cells == [(rep, i) for rep in (1, 2) for i in ("ours-z3", "fsdp2", "ceiling")]
+    skips = [r for r in rows if r["kind"] == "skip"]
+    assert [s["impl"] for s in skips] == ["ours-hsdp", "ours-hsdp"] and "needs world >= 2" in skips[0]["reason"]
+    assert all(r["finite"] and r["tok_s_per_gpu"] > 0 for r in rows if r["kind"] == "cell")
+    md = (tmp_path / "s.md").read_text()
+    assert "Loss check FAILED" not in md, md
+    assert "ours-z3" in (tmp_path / "trace.md").read_text()
+    assert (tmp_path / "trace_ours-z3.json.gz").stat().st_size > 0
