@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .agreement import check_ranks_agree
 from .buffers import ParamAndGradBuffer
 from .decoupled import check_decoupled_grad_consistency
 from .device import CommStreams, pick_device
@@ -47,14 +48,29 @@ def _check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
+def _check_not_wrapped(module: nn.Module) -> None:
+    """Refuse a wrapped model, its inner module or anything containing a wrapped part: their
+    params are already DTensor shards, which the checks further on would misreport as TP params."""
+    if isinstance(module, FullyShardedModule):
+        raise ValueError("module is already wrapped by fully_shard (it is the wrapper it returned); "
+                         "wrap the original module once")
+    for name, sub in module.named_modules():
+        if isinstance(sub, FullyShardedModule):
+            raise ValueError(f"module contains a model already wrapped by fully_shard (submodule "
+                             f"{name!r}); fully_shard cannot be nested: wrap the original module once")
+    for name, param in module.named_parameters():
+        if getattr(param, ENGINE_REF_ATTR, None) is not None:
+            raise ValueError(f"module is (part of) a model already wrapped by fully_shard: its parameter "
+                             f"{name!r} is a shard owned by that model; wrap the original module once")
+
+
 def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_dim: str | None,
               strategy: ShardingStrategy, outer: ShardingStrategy, meta_init: bool, policy: Any,
               flags: dict[str, Any]) -> None:
     """Checks that need the mesh; raise before anything is allocated."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if isinstance(module, FullyShardedModule):
-        raise ValueError("module is already wrapped by fully_shard")
+    _check_not_wrapped(module)
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision_policy must be a fsdp_impl.MixedPrecisionPolicy, got {policy!r}")
     for name, value in flags.items():
@@ -77,6 +93,27 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_
         raise ValueError("init_model_with_meta_device=True is not supported with zero_dp_strategy="
                          "'no_shard'/0 (every rank would hold the whole model anyway); allowed "
                          "strategies: 'optim'/1, 'optim_grads'/2, 'optim_grads_params'/3")
+
+
+def _agreement_items(module: nn.Module, mesh: DeviceMesh, classes: tuple[type, ...],
+                     strategy: ShardingStrategy, outer: ShardingStrategy, policy: MixedPrecisionPolicy,
+                     flags: dict[str, Any], dim_names: tuple[str | None, ...],
+                     hybrid_group: dist.ProcessGroup | None) -> list[tuple[str, Any]]:
+    """What every rank must pass identically, as rank-independent values (names, not objects)."""
+    params = [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad)
+              for name, p in module.named_parameters()]
+    return [
+        ("zero_dp_strategy", f"{strategy.name.lower()!r}/{int(strategy)}"),
+        ("outer_dp_sharding_strategy", f"{outer.name.lower()!r}/{int(outer)}"),
+        ("fsdp_unit_modules", tuple(f"{c.__module__}.{c.__qualname__}" for c in classes)),
+        ("mixed_precision_policy", repr(policy)),
+        ("flags", dict(sorted(flags.items()))),
+        ("device_mesh", (mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names)),
+        ("(dp_shard_dim, dp_outer_dim, tp_dim)", dim_names),
+        ("hybrid_fsdp_group size", None if hybrid_group is None else dist.get_world_size(hybrid_group)),
+        ("module class", f"{type(module).__module__}.{type(module).__qualname__}"),
+        ("parameters (name, shape, dtype, requires_grad)", params),
+    ]
 
 
 def _shard_units(module: nn.Module, units: list[FSDPUnit], unit_modules: list[nn.Module],
@@ -130,6 +167,9 @@ def fully_shard_model(
               mixed_precision_policy, flags)
     dims = resolve_parallel_dims(mesh, shard_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group,
                                  strategy, outer)
+    check_ranks_agree(_agreement_items(module, mesh, classes, strategy, outer, mixed_precision_policy, flags,
+                                       (dp_shard_dim, dp_outer_dim, tp_dim), dims.hybrid_group),
+                      pick_device(mesh))
     shard_mesh = dims.shard_mesh  # HFSDP: the hybrid group; else the dp_shard_dim sub-mesh
     group = dims.shard_group or shard_mesh.get_group()
     found = find_unit_modules(module, classes)

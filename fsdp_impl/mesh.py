@@ -32,7 +32,8 @@ def mesh_dim_names(mesh: DeviceMesh) -> list[str]:
 
 
 def submesh(mesh: DeviceMesh, name: str, arg_name: str) -> DeviceMesh:
-    """``mesh[name]`` or a ValueError naming the argument and the dims that exist."""
+    """``mesh[name]`` or an error naming the argument and the dims that exist."""
+    check_dim_name(name, arg_name, mesh)
     try:
         return mesh[name]
     except (KeyError, RuntimeError, ValueError) as err:
@@ -40,11 +41,24 @@ def submesh(mesh: DeviceMesh, name: str, arg_name: str) -> DeviceMesh:
                          f"{mesh_dim_names(mesh)}") from err
 
 
+def check_dim_name(name: object, arg_name: str, mesh: DeviceMesh | None = None) -> None:
+    """A mesh dim argument is a dim name (str) or None; anything else (e.g. an index) is refused
+    here, before torch's indexing turns it into an unrelated error."""
+    if name is None or isinstance(name, str):
+        return
+    allowed = f"{mesh_dim_names(mesh)} or None" if mesh is not None else "a str or None"
+    raise TypeError(f"{arg_name} must name a dim of the device mesh (a str), got {name!r} of type "
+                    f"{type(name).__name__}; allowed values: {allowed}")
+
+
 def build_mesh(device_mesh: DeviceMesh | None, dp_shard_dim: str | None) -> tuple[DeviceMesh, DeviceMesh]:
     """Return ``(mesh, shard_mesh)`` after checking the mesh covers the world."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("fully_shard needs an initialised default process group "
                            "(torch.distributed.init_process_group)")
+    if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch DeviceMesh or None, got {type(device_mesh).__name__}")
+    check_dim_name(dp_shard_dim, "dp_shard_dim", device_mesh)
     world = dist.get_world_size()
     if device_mesh is None:
         default = MeshDim.DP_SHARD.value
@@ -54,8 +68,6 @@ def build_mesh(device_mesh: DeviceMesh | None, dp_shard_dim: str | None) -> tupl
                              f"[{default!r}, None]")
         device_mesh = init_device_mesh(default_device_type(), (world,), mesh_dim_names=(default,))
         dp_shard_dim = default
-    if not isinstance(device_mesh, DeviceMesh):
-        raise TypeError(f"device_mesh must be a torch DeviceMesh or None, got {type(device_mesh).__name__}")
     if device_mesh.size() != world:
         raise ValueError(f"device_mesh has {device_mesh.size()} ranks (shape "
                          f"{tuple(device_mesh.shape)}) but the world has {world}; the mesh must cover "
