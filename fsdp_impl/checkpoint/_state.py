@@ -133,13 +133,17 @@ def snapshot_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Op
     return OptimizerSnapshot(state=state, description=description, hyperparameters=hyper)
 
 
-def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+def user_optimizer_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
     """The user's optimizer class: ``fully_shard`` swaps in a one-off subclass ``FSDP<Name>``
     (bases: a mixin and the user's class), which this looks through."""
     cls = type(optimizer)
     while len(cls.__bases__) > 1 and cls.__name__ == f"FSDP{cls.__bases__[-1].__name__}":
         cls = cls.__bases__[-1]
-    return cls.__name__
+    return cls
+
+
+def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    return user_optimizer_class(optimizer).__name__
 
 
 def _check_optimizer_class(saved: str, optimizer: torch.optim.Optimizer) -> None:

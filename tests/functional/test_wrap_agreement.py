@@ -49,9 +49,10 @@ def test_ranks_with_different_models_name_the_first_differing_param(dist_env: An
     with pytest.raises(ValueError, match="different arguments or models") as err:
         fully_shard(*_cnn_and_adam(hidden=hidden))
     text = str(err.value)
-    assert ("parameters (name, shape, dtype, requires_grad) differ at entry 0 "
-            "(rank 0: ('conv1.weight', (5, 3, 3, 3), 'float32', True); "
-            "rank 1: ('conv1.weight', (6, 3, 3, 3), 'float32', True)); entries per rank: ranks [0, 1]: 6") in text
+    assert ("parameters (name, shape, dtype, requires_grad, expert) differ at entry 0 "
+            "(rank 0: ('conv1.weight', (5, 3, 3, 3), 'float32', True, False); "
+            "rank 1: ('conv1.weight', (6, 3, 3, 3), 'float32', True, False)); "
+            "entries per rank: ranks [0, 1]: 6") in text
     _same_error_on_every_rank(text)
 
 
