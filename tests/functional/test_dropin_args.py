@@ -70,9 +70,13 @@ def test_grad_reduction_modes_match_a_reference(mode: str, strategy: int, dist_e
     _assert_close(grads, _reference_grads(dist_env.world_size, reduction), f"{mode}, ZeRO-{strategy}")
 
 
-def _losses(dist_env: Any, steps: int = 3, model: nn.Module | None = None, **kwargs: Any) -> tuple[list[float], Any]:
+def _losses(dist_env: Any, steps: int = 3, model: nn.Module | None = None, before: Any = None,
+            **kwargs: Any) -> tuple[list[float], Any]:
+    """Wrap (``kwargs`` go to ``fully_shard``), call ``before(wrapped)``, train ``steps`` Adam steps."""
     model = model if model is not None else build_model("cnn")
     fsdp, opt = fully_shard(model, torch.optim.Adam(model.parameters(), lr=1e-2), **kwargs)
+    if before is not None:
+        before(fsdp)
     losses = []
     for step in range(steps):
         x, y = _local_batch(dist_env, seed=step)
@@ -93,20 +97,14 @@ def _pending_prefetches(fsdp: Any) -> list[bool]:
 def test_overlap_switches(overlap: bool, dist_env: Any) -> None:
     """Off: collectives on the compute stream and no ZeRO-3 prefetch; the numbers do not change."""
     baseline, _ = _losses(dist_env, fsdp_unit_modules=UNITS)
-    model = build_model("cnn")
-    fsdp, opt = fully_shard(model, torch.optim.Adam(model.parameters(), lr=1e-2), fsdp_unit_modules=UNITS,
-                            overlap_grad_reduce=overlap, overlap_param_gather=overlap)
     seen: list[bool] = []
-    for m in (fsdp.module.conv1, fsdp.module.conv2, fsdp.module.head):  # runs after the engine's pre-forward
-        m.register_forward_pre_hook(lambda mod, args: seen.append(any(_pending_prefetches(fsdp))))
-    losses = []
-    for step in range(3):
-        x, y = _local_batch(dist_env, seed=step)
-        loss = loss_fn("cnn")(fsdp(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+
+    def watch(fsdp: Any) -> None:  # these hooks run after the engine's pre-forward
+        for m in (fsdp.module.conv1, fsdp.module.conv2, fsdp.module.head):
+            m.register_forward_pre_hook(lambda mod, args: seen.append(any(_pending_prefetches(fsdp))))
+
+    losses, fsdp = _losses(dist_env, fsdp_unit_modules=UNITS, overlap_grad_reduce=overlap,
+                           overlap_param_gather=overlap, before=watch)
     assert losses == baseline
     assert any(seen) == overlap, f"prefetches seen: {seen}"
     if dist_env.device.type == "cuda":
