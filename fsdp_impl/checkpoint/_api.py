@@ -44,6 +44,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: Any, extra: dict 
     in ``extra`` come back on the CPU.
     """
     path = _files.as_path(path)
+    _refuse_expert_parallel(model)
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict or None; got {type(extra).__name__}")
     torch_optimizer = unwrap_optimizer(optimizer)
@@ -64,6 +65,18 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: Any, extra: dict 
         if _comm.rank() == 0:
             _layout.discard(data)
         raise
+
+
+def _refuse_expert_parallel(model: nn.Module) -> None:
+    """Expert-parallel models keep each EP rank's local experts under the same names, which one
+    DCP checkpoint cannot tell apart (its planner would keep one EP rank's experts): refuse
+    rather than write or read a checkpoint that silently loses experts."""
+    index = getattr(model, "dist_index", None)
+    if getattr(index, "expt_device_mesh", None) is not None:
+        raise NotImplementedError(
+            "fsdp_impl.checkpoint does not support expert-parallel models yet (wrapped with "
+            "expt_device_mesh): every EP rank's local experts have the same parameter names, so one "
+            "DCP checkpoint would keep only one EP rank's experts")
 
 
 def _write(data: Path, path: Path, state: dict, snapshot: OptimizerSnapshot, extra: dict | None) -> None:
@@ -118,6 +131,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Any) -> dict | No
     Returns the ``extra`` dict given to :func:`save` (``None`` if none was given).
     """
     path = _files.as_path(path)
+    _refuse_expert_parallel(model)
     torch_optimizer = unwrap_optimizer(optimizer)
     manifest, data, metadata, side = _open(path)
 

@@ -15,6 +15,7 @@ Tolerance 1e-5 relative per tensor: fp32, only the summation order differs (meas
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_impl import fully_shard, fully_shard_model
+from fsdp_impl import checkpoint, fully_shard, fully_shard_model
 from tests.functional.test_dropin_args import _assert_close, _fsdp_grads, _reference_grads
 
 pytestmark = pytest.mark.distributed(world_size=4, timeout=300)
@@ -209,7 +210,7 @@ def _reference_grads_moe(reference: TinyMoE, world: int) -> dict[str, torch.Tens
     return {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
 
 
-def test_expert_dist_index_and_errors(dist_env: Any) -> None:
+def test_expert_dist_index_and_errors(dist_env: Any, shared_tmp_path: Path) -> None:
     kwargs, ep_group, ep_rank = _ep_meshes(hsdp=False)
     expt = kwargs["expt_device_mesh"]
     model = fully_shard_model(_models(ep_group, ep_rank)[1], fsdp_unit_modules=[MoEBlock], **kwargs)
@@ -223,6 +224,12 @@ def test_expert_dist_index_and_errors(dist_env: Any) -> None:
         fully_shard_model(_models(ep_group, ep_rank)[1], **dict(kwargs, expt_device_mesh=bad))
     with pytest.raises(ValueError, match=r"hybrid_fsdp_expt_group was given without expt_device_mesh"):
         fully_shard_model(TinyMoE(), hybrid_fsdp_expt_group=ep_group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(NotImplementedError, match=r"does not support expert-parallel models yet"):
+        checkpoint.save(shared_tmp_path / "ck", model, opt)
+    with pytest.raises(NotImplementedError, match=r"does not support expert-parallel models yet"):
+        checkpoint.load(shared_tmp_path / "ck", model, opt)
+    assert not (shared_tmp_path / "ck").exists()
 
 
 def test_allreduce_false_params_need_an_expert_mesh(dist_env: Any) -> None:
