@@ -46,7 +46,8 @@ def test_truncated_shard_found_by_another_rank_fails_everywhere(dist_env: Any, s
     model, optimizer = _trained(dist_env)
     path = shared_tmp_path / "ck"
     checkpoint.save(path, model, optimizer)
-    victim = checkpoint.data_dir(path) / "__0_0.distcp"  # hashed by rank 1 in the round-robin split (sorted: .metadata, __0_0, ...)
+    # hashed by rank 1 in the round-robin split (sorted: .metadata, __0_0, ...)
+    victim = checkpoint.data_dir(path) / "__0_0.distcp"
     size = victim.stat().st_size
     _on_rank0(dist_env, lambda: os.truncate(victim, size - 7))
     fresh, fresh_opt = wrap(CNN, dist_env.device, seed=5)

@@ -151,16 +151,16 @@ def _reference_step(model: TinyMoE, opt: torch.optim.Optimizer, step: int, world
     opt.zero_grad()
 
 
-def _ep_meshes(hsdp: bool) -> tuple[dict[str, Any], dist.ProcessGroup, int]:
+def _ep_meshes(hsdp: bool, device: str) -> tuple[dict[str, Any], dist.ProcessGroup, int]:
     """fully_shard's mesh arguments, the EP group and this rank's EP rank. The expert mesh has
     the same dim names; its dp_shard (x dp_outer) dims cover the ranks with the same EP rank."""
     if not hsdp:
-        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
-        expt = init_device_mesh("cpu", (2, EP), mesh_dim_names=("dp_shard", "ep"))
+        mesh = init_device_mesh(device, (4,), mesh_dim_names=("dp_shard",))
+        expt = init_device_mesh(device, (2, EP), mesh_dim_names=("dp_shard", "ep"))
         kwargs = dict(device_mesh=mesh, dp_shard_dim="dp_shard", expt_device_mesh=expt)
     else:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
-        expt = init_device_mesh("cpu", (2, 1, EP), mesh_dim_names=("dp_outer", "dp_shard", "ep"))
+        mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+        expt = init_device_mesh(device, (2, 1, EP), mesh_dim_names=("dp_outer", "dp_shard", "ep"))
         kwargs = dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer", expt_device_mesh=expt,
                       hybrid_fsdp_group=mesh[("dp_outer", "dp_shard")]._flatten("hsdp").get_group(),
                       hybrid_fsdp_expt_group=expt[("dp_outer", "dp_shard")]._flatten("hsdp_expt").get_group())
@@ -176,7 +176,7 @@ CASES = [dict(zero_dp_strategy=3), dict(zero_dp_strategy=1, average_in_collectiv
 @pytest.mark.parametrize("case", CASES, ids=["zero3", "zero1-avg", "hsdp", "hfsdp-avg"])
 def test_moe_with_expert_parallelism_matches_one_process(case: dict, dist_env: Any) -> None:
     case = dict(case)
-    kwargs, ep_group, ep_rank = _ep_meshes(case.pop("hsdp", False))
+    kwargs, ep_group, ep_rank = _ep_meshes(case.pop("hsdp", False), dist_env.device.type)
     reference, local = _models(ep_group, ep_rank)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
     model, opt = fully_shard(local, torch.optim.SGD(local.parameters(), lr=0.2, momentum=0.9),
@@ -188,10 +188,10 @@ def test_moe_with_expert_parallelism_matches_one_process(case: dict, dist_env: A
     assert sorted(dist.get_process_group_ranks(units["blocks.0[experts]"].ctx.group)) == expected
     ref_params = dict(reference.named_parameters())
     for step in range(3):
-        x, y = _batch(step, dist_env.rank)
+        x, y = (t.to(dist_env.device) for t in _batch(step, dist_env.rank))
         nn.functional.mse_loss(model(x), y).backward()
         if step == 0:  # the first synced grads, before any update
-            grads = {n: p.grad.full_tensor() for n, p in model.module.named_parameters()}
+            grads = {n: p.grad.full_tensor().cpu() for n, p in model.module.named_parameters()}
             ref_grads = _reference_grads_moe(reference, dist_env.world_size)
             _assert_close(grads, {n: ref_grads[_reference_name(n, ep_rank)] for n in grads}, "grads")
             ref_opt.step()
@@ -200,7 +200,7 @@ def test_moe_with_expert_parallelism_matches_one_process(case: dict, dist_env: A
             _reference_step(reference, ref_opt, step, dist_env.world_size)
         opt.step()
         opt.zero_grad()
-    params = {n: p.full_tensor() for n, p in model.module.named_parameters()}
+    params = {n: p.full_tensor().cpu() for n, p in model.module.named_parameters()}
     _assert_close(params, {n: ref_params[_reference_name(n, ep_rank)].detach() for n in params}, "params")
 
 
@@ -211,14 +211,14 @@ def _reference_grads_moe(reference: TinyMoE, world: int) -> dict[str, torch.Tens
 
 
 def test_expert_dist_index_and_errors(dist_env: Any, shared_tmp_path: Path) -> None:
-    kwargs, ep_group, ep_rank = _ep_meshes(hsdp=False)
+    kwargs, ep_group, ep_rank = _ep_meshes(False, dist_env.device.type)
     expt = kwargs["expt_device_mesh"]
     model = fully_shard_model(_models(ep_group, ep_rank)[1], fsdp_unit_modules=[MoEBlock], **kwargs)
     idx = model.dist_index
     assert idx.get_fsdp_group(is_expert_parallel=True) is expt["dp_shard"].get_group()
     assert idx.get_dp_group(is_expert_parallel=True).size() == 2 and idx.get_dp_group().size() == 4
     assert idx.get_root_mesh(is_expert_parallel=True) is expt
-    bad = init_device_mesh("cpu", (2, EP), mesh_dim_names=("edp", "ep"))
+    bad = init_device_mesh(dist_env.device.type, (2, EP), mesh_dim_names=("edp", "ep"))
     with pytest.raises(ValueError, match=r"expt_device_mesh has no dim dp_shard_dim='dp_shard' .* its dims: "
                                          r"\['edp', 'ep'\]"):
         fully_shard_model(_models(ep_group, ep_rank)[1], **dict(kwargs, expt_device_mesh=bad))
@@ -249,7 +249,7 @@ def test_allreduce_false_params_need_an_expert_mesh(dist_env: Any) -> None:
 @pytest.mark.parametrize("mode", ["default", "average_in_collective", "calculate_per_token_loss"])
 def test_grad_reduction_modes_under_hsdp(mode: str, outer: int, dist_env: Any) -> None:
     """HSDP's dp_outer all-reduce and HFSDP's two-level reduce-scatter use the same op."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
+    mesh = init_device_mesh(dist_env.device.type, (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     hybrid = mesh[("dp_outer", "dp_shard")]._flatten("hsdp").get_group()
     kwargs = {} if mode == "default" else {mode: True}
     grads = _fsdp_grads(dist_env, device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",

@@ -73,7 +73,7 @@ def test_agreeing_ranks_pass_and_digest_is_process_independent(dist_env: Any) ->
 
 @pytest.mark.parametrize("arg", ["dp_shard_dim", "dp_outer_dim", "tp_dim"])
 def test_mesh_dim_given_as_an_index(arg: str, dist_env: Any) -> None:
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp_shard", "tp"))
+    mesh = init_device_mesh(dist_env.device.type, (2, 1), mesh_dim_names=("dp_shard", "tp"))
     kwargs: dict[str, Any] = {"device_mesh": mesh, "dp_shard_dim": "dp_shard", arg: 0}
     with pytest.raises(TypeError, match=rf"{arg} must name a dim of the device mesh \(a str\), got 0 of type int; "
                                         r"allowed values: \['dp_shard', 'tp'\] or None"):
