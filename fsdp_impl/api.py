@@ -14,21 +14,24 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .agreement import check_ranks_agree
+from .assembly import GroupSet, build_units, make_context, outer_reducer, shard_units, split_units
 from .buffers import ParamAndGradBuffer
+from .dcp_optim_state import PlaceholderStateHook
 from .decoupled import check_decoupled_grad_consistency
-from .device import CommStreams, pick_device
+from .device import CommStreams
 from .discovery import UnitSpec, assign_params, find_unit_modules, resolve_unit_classes
 from .engine import FSDPEngine
-from .grad_reduce import OuterGradReducer, two_level_groups
+from .expert import is_expert_param, resolve_expert_dims
+from .grad_reduce import GradScaling
 from .hooks import register_hooks
 from .mesh import DistIndex, build_mesh, submesh
-from .meta_init import materialise, sync_rng_from_rank0
 from .module import FullyShardedModule
 from .optimizer_binding import ENGINE_REF_ATTR, attach_engines, remap_optimizer_params
-from .parallel_dims import ParallelDims, attach_tp_specs, resolve_parallel_dims
-from .param import ManagedParam
+from .options import WrapOptions, resolve_device
+from .parallel_dims import ParallelDims, check_gather_group, resolve_parallel_dims
 from .policy import MixedPrecisionPolicy, ShardingStrategy, parse_strategy
-from .unit import FSDPUnit, UnitContext
+from .unit import UnitContext
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,7 @@ Strategy = str | int
 
 # fully_shard_model's default policy (fp32 main params); frozen, so one shared instance is safe.
 DEFAULT_MIXED_PRECISION_POLICY = MixedPrecisionPolicy()
+_PLACEHOLDER_HOOK_ATTR = "_fsdp_dcp_placeholder_hook"  # set once the state-dict hook is registered
 
 
 def _not_implemented(what: str, unsupported: str, allowed: str) -> NotImplementedError:
@@ -47,14 +51,29 @@ def _check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
+def _check_not_wrapped(module: nn.Module) -> None:
+    """Refuse a wrapped model, its inner module or anything containing a wrapped part: their
+    params are already DTensor shards, which the checks further on would misreport as TP params."""
+    if isinstance(module, FullyShardedModule):
+        raise ValueError("module is already wrapped by fully_shard (it is the wrapper it returned); "
+                         "wrap the original module once")
+    for name, sub in module.named_modules():
+        if isinstance(sub, FullyShardedModule):
+            raise ValueError(f"module contains a model already wrapped by fully_shard (submodule "
+                             f"{name!r}); fully_shard cannot be nested: wrap the original module once")
+    for name, param in module.named_parameters():
+        if getattr(param, ENGINE_REF_ATTR, None) is not None:
+            raise ValueError(f"module is (part of) a model already wrapped by fully_shard: its parameter "
+                             f"{name!r} is a shard owned by that model; wrap the original module once")
+
+
 def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_dim: str | None,
               strategy: ShardingStrategy, outer: ShardingStrategy, meta_init: bool, policy: Any,
               flags: dict[str, Any]) -> None:
     """Checks that need the mesh; raise before anything is allocated."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if isinstance(module, FullyShardedModule):
-        raise ValueError("module is already wrapped by fully_shard")
+    _check_not_wrapped(module)
     if not isinstance(policy, MixedPrecisionPolicy):
         raise TypeError(f"mixed_precision_policy must be a fsdp_impl.MixedPrecisionPolicy, got {policy!r}")
     for name, value in flags.items():
@@ -79,23 +98,59 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_
                          "strategies: 'optim'/1, 'optim_grads'/2, 'optim_grads_params'/3")
 
 
-def _shard_units(module: nn.Module, units: list[FSDPUnit], unit_modules: list[nn.Module],
-                 groups: list[list[ManagedParam]], ctx: UnitContext, meta_init: bool) -> None:
-    """Fill every unit's weight buffer (materialising meta tensors unit by unit if asked)."""
-    has_meta = any(p.orig.is_meta for g in groups for p in g) or any(b.is_meta for b in module.buffers())
-    if has_meta and not meta_init:
-        raise ValueError("module has tensors on the meta device; pass init_model_with_meta_device=True "
-                         "to materialise them, or build the module on a real device")
-    if meta_init:
-        sync_rng_from_rank0(ctx.device, None)  # the whole world: outer/TP/CP replicas init alike too
-        materialise(module, groups, unit_modules, ctx.device, lambda i: units[i].shard_from_module())
-        return
-    for sub in module.modules():
-        for name, buf in list(sub._buffers.items()):
-            if buf is not None and buf.device != ctx.device:
-                sub._buffers[name] = buf.to(ctx.device)
-    for unit in units:
-        unit.shard_from_module()
+def _check_unshard_pool(options: WrapOptions, strategy: ShardingStrategy) -> None:
+    """fsdp_double_buffer / maxpool_double_buffer: ZeRO-3 units gather into a fixed pool sized
+    for the largest unit (ZeRO-0/1/2 compute params are persistent: nothing to pool).
+
+    TODO(merge: unshard pool): the engine's pooled unshard storage is connected in
+    ``_use_unshard_pool`` below; once it is, delete this refusal."""
+    if options.unshard_pool and strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+        which = "fsdp_double_buffer" if options.fsdp_double_buffer else "maxpool_double_buffer"
+        raise _not_implemented(f"{which}=True", "gathering ZeRO-3 units into a fixed buffer pool",
+                               f"pass {which}=False")
+
+
+def _use_unshard_pool(units: list, ctx: UnitContext, options: WrapOptions, strategy: ShardingStrategy) -> None:
+    """Hook: move the non-root ZeRO-3 units' compute params into the fixed pool.
+
+    TODO(merge: unshard pool): connect to the engine's pooled unshard storage, e.g.
+        ctx.unshard = UnshardStorage.double_buffer(2)
+        attach_unshard_pool([u for u in units[:-1] if u.ctx is ctx], ctx)
+    (and the same for the expert context), then remove ``_check_unshard_pool``'s refusal."""
+    if options.unshard_pool and strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise AssertionError("unreachable until the unshard pool is connected (see _check_unshard_pool)")
+
+
+def _agreement_items(module: nn.Module, mesh: DeviceMesh, classes: tuple[type, ...],
+                     strategy: ShardingStrategy, outer: ShardingStrategy, policy: MixedPrecisionPolicy,
+                     flags: dict[str, Any], options: WrapOptions, dims: ParallelDims,
+                     expert_dims: ParallelDims | None, device: torch.device) -> list[tuple[str, Any]]:
+    """What every rank must pass identically, as rank-independent values (names, not objects)."""
+    params = [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad,
+               is_expert_param(name, p) and expert_dims is not None)
+              for name, p in module.named_parameters()]
+
+    def mesh_of(d: ParallelDims | None) -> Any:
+        return None if d is None else (d.mesh.device_type, d.mesh.mesh.tolist(), d.mesh.mesh_dim_names,
+                                       d.inner_mesh.mesh_dim_names, d.outer_group is not None,
+                                       None if d.hybrid_group is None else dist.get_world_size(d.hybrid_group))
+
+    return [
+        ("zero_dp_strategy", f"{strategy.name.lower()!r}/{int(strategy)}"),
+        ("outer_dp_sharding_strategy", f"{outer.name.lower()!r}/{int(outer)}"),
+        ("fsdp_unit_modules", tuple(f"{c.__module__}.{c.__qualname__}" for c in classes)),
+        ("mixed_precision_policy", repr(policy)),
+        ("flags", dict(sorted(flags.items()))),
+        ("options", repr(options)),
+        ("device type", device.type),
+        ("device_mesh", (mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names)),
+        ("(mesh, dp_shard_dim, dp_outer given, hybrid_fsdp_group size)", mesh_of(dims)),
+        ("tp_dim", dims.tp_dim),
+        ("expt_device_mesh (mesh, dp_shard_dim, dp_outer given, hybrid_fsdp_expt_group size)",
+         mesh_of(expert_dims)),
+        ("module class", f"{type(module).__module__}.{type(module).__qualname__}"),
+        ("parameters (name, shape, dtype, requires_grad, expert)", params),
+    ]
 
 
 def fully_shard_model(
@@ -105,18 +160,38 @@ def fully_shard_model(
     dp_outer_dim: str | None = None,
     tp_dim: str | None = None,
     hybrid_fsdp_group: dist.ProcessGroup | None = None,
+    hybrid_fsdp_expt_group: dist.ProcessGroup | None = None,
+    expt_device_mesh: DeviceMesh | None = None,
+    fsdp_group_ag: dist.ProcessGroup | None = None,
+    expt_fsdp_group_ag: dist.ProcessGroup | None = None,
     fsdp_unit_modules: UnitSpec = None,
     zero_dp_strategy: Strategy = 3,
     outer_dp_sharding_strategy: Strategy = 0,
+    device: torch.device | None = None,
     init_model_with_meta_device: bool = False,
     mixed_precision_policy: MixedPrecisionPolicy = DEFAULT_MIXED_PRECISION_POLICY,
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
     sync_model_each_microbatch: bool = True,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
     report_nan_in_param_grad: bool = False,
+    average_in_collective: bool = False,
+    disable_bucketing: bool = False,
+    calculate_per_token_loss: bool = False,
+    keep_fp8_transpose_cache: bool = False,
+    nccl_ub: bool = False,
+    fsdp_double_buffer: bool = False,
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
+    disable_symmetric_registration: bool = False,
+    enable_fine_grained_param_gather: bool = False,
     use_decoupled_grad: bool = False,
     cuda_graph_mode: bool = False,
-    keep_fp8_transpose_cache: bool = False,
+    maxpool_double_buffer: bool = False,
 ) -> FullyShardedModule:
-    """Shard ``module``'s params over the dp-shard mesh dim and return the wrapper module."""
+    """Shard ``module``'s params over the dp-shard mesh dim and return the wrapper module.
+
+    The arguments, their order and defaults are Megatron-FSDP 0.6.1's; what each switch does
+    here is described in ``fsdp_impl.options`` and ``fsdp_impl/README.md``."""
     strategy = parse_strategy(zero_dp_strategy)
     outer = parse_strategy(outer_dp_sharding_strategy, "outer_dp_sharding_strategy",
                            (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM))
@@ -124,41 +199,76 @@ def fully_shard_model(
                  sync_model_each_microbatch=sync_model_each_microbatch,
                  report_nan_in_param_grad=report_nan_in_param_grad, use_decoupled_grad=use_decoupled_grad,
                  cuda_graph_mode=cuda_graph_mode, keep_fp8_transpose_cache=keep_fp8_transpose_cache)
+    options = WrapOptions(overlap_grad_reduce, overlap_param_gather, preproc_state_dict_for_dcp_ckpt,
+                          average_in_collective, disable_bucketing, calculate_per_token_loss, nccl_ub,
+                          fsdp_double_buffer, fsdp_db_use_persist_buf_on_alloc_fail,
+                          disable_symmetric_registration, enable_fine_grained_param_gather, maxpool_double_buffer)
     classes = resolve_unit_classes(fsdp_unit_modules)
-    mesh, shard_mesh = build_mesh(device_mesh, dp_shard_dim)
+    mesh, inner_mesh = build_mesh(device_mesh, dp_shard_dim, tp_dim)
     _validate(module, mesh, dp_outer_dim, tp_dim, strategy, outer, init_model_with_meta_device,
               mixed_precision_policy, flags)
-    dims = resolve_parallel_dims(mesh, shard_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group,
+    _check_unshard_pool(options, strategy)
+    dims = resolve_parallel_dims(mesh, inner_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group,
                                  strategy, outer)
-    shard_mesh = dims.shard_mesh  # HFSDP: the hybrid group; else the dp_shard_dim sub-mesh
-    group = dims.shard_group or shard_mesh.get_group()
+    shard_dim = dp_shard_dim or (inner_mesh.mesh_dim_names or ("",))[0]
+    expert_dims = resolve_expert_dims(module, expt_device_mesh, shard_dim, dp_outer_dim, tp_dim,
+                                      hybrid_fsdp_expt_group, expt_fsdp_group_ag, strategy, outer)
+    resolved_device = resolve_device(device, mesh)
+    check_gather_group(fsdp_group_ag, dims, "fsdp_group_ag")
+    if expert_dims is not None:
+        check_gather_group(expt_fsdp_group_ag, expert_dims, "expt_fsdp_group_ag")
+    check_ranks_agree(_agreement_items(module, mesh, classes, strategy, outer, mixed_precision_policy, flags,
+                                       options, dims, expert_dims, resolved_device), resolved_device)
+    ordinary = GroupSet(dims, GradScaling(), fsdp_group_ag)
+    ordinary.scaling = _scaling(options, ordinary.dp_size, ordinary.dp_size)
+    experts = None
+    if expert_dims is not None:
+        experts = GroupSet(expert_dims, GradScaling(), expt_fsdp_group_ag)
+        experts.scaling = _scaling(options, ordinary.dp_size, experts.dp_size)
+    return _assemble(module, classes, strategy, mixed_precision_policy, resolved_device, options, flags,
+                     ordinary, experts)
+
+
+def _scaling(options: WrapOptions, dp_size: int, reduce_size: int) -> GradScaling:
+    return GradScaling.for_units(options.average_in_collective, options.calculate_per_token_loss,
+                                 dp_size, reduce_size)
+
+
+def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], strategy: ShardingStrategy,
+              policy: MixedPrecisionPolicy, device: torch.device, options: WrapOptions, flags: dict[str, bool],
+              ordinary: GroupSet, experts: GroupSet | None) -> FullyShardedModule:
+    """Units, engine, hooks and wrapper (the arguments are checked and agreed on)."""
     found = find_unit_modules(module, classes)
-    groups = assign_params(module, [name for name, _ in found])
-    attach_tp_specs(groups, dims)
-    device = pick_device(mesh)
-    ctx = UnitContext(strategy=strategy, shard_mesh=shard_mesh, group=group, plan=dims.plan,
-                      rank=dist.get_rank(group), world=dist.get_world_size(group), device=device,
-                      policy=mixed_precision_policy, streams=CommStreams(device),
-                      two_level=two_level_groups(dims, device))
     names = [name for name, _ in found] + [""]
-    all_units = [FSDPUnit(name or "<root>", group, ctx) for name, group in zip(names, groups, strict=True)]
-    unit_modules = [m for _, m in found]
-    _shard_units(module, all_units, unit_modules, groups, ctx, init_model_with_meta_device)
-    keep = [i for i, u in enumerate(all_units[:-1]) if u.params]  # units whose params all went to root
-    units = [all_units[i] for i in keep] + [all_units[-1]]
-    outer_reducer = OuterGradReducer(dims.hsdp_reduce_group) if dims.hsdp_reduce_group is not None else None
-    engine = FSDPEngine(units, all_units[-1], ctx, sync_model_each_microbatch, use_decoupled_grad,
-                        report_nan_in_param_grad, outer_reducer)
-    handles = register_hooks(engine, [unit_modules[i] for i in keep] + [module])
-    buffer = ParamAndGradBuffer([u.group for u in units], use_decoupled_grad)
-    dist_index = DistIndex(mesh, dims.inner_mesh, dims.outer_group, dims.hybrid_group, dims.tp_group)
-    wrapper = FullyShardedModule(module, engine, buffer, dist_index, handles)
+    layout = split_units(names, [m for _, m in found] + [module], assign_params(module, names[:-1]),
+                         ordinary.dims, experts.dims if experts is not None else None)
+    streams = CommStreams(device, options.overlap_param_gather, options.overlap_grad_reduce)
+    ctx = make_context(ordinary, strategy, policy, device, streams, options.overlap_param_gather)
+    expert_ctx = (make_context(experts, strategy, policy, device, streams, options.overlap_param_gather)
+                  if experts is not None else None)
+    per_match, units, modules = build_units(layout, ctx, expert_ctx)
+    shard_units(module, per_match, layout, device, flags["init_model_with_meta_device"])
+    _use_unshard_pool(units, ctx, options, strategy)
+    reducer = outer_reducer(units, ordinary.dims, experts.dims if experts is not None else None, expert_ctx,
+                            ordinary.scaling)
+    engine = FSDPEngine(units, units[-1], ctx, flags["sync_model_each_microbatch"], flags["use_decoupled_grad"],
+                        flags["report_nan_in_param_grad"], reducer)
+    handles = register_hooks(engine, modules)
+    buffer = ParamAndGradBuffer([u.group for u in units], flags["use_decoupled_grad"])
+    wrapper = FullyShardedModule(module, engine, buffer, _dist_index(ordinary, experts), handles)
     for unit in units:
         for p in unit.params:
             setattr(p.sharded, ENGINE_REF_ATTR, weakref.ref(engine))  # what fully_shard_optimizer finds
     if logger.isEnabledFor(logging.DEBUG):
-        _log_wrap(engine, dims)
+        _log_wrap(engine, ordinary.dims)
     return wrapper
+
+
+def _dist_index(ordinary: GroupSet, experts: GroupSet | None) -> DistIndex:
+    def index(g: GroupSet, expert: DistIndex | None = None) -> DistIndex:
+        d = g.dims
+        return DistIndex(d.mesh, d.inner_mesh, d.outer_group, d.hybrid_group, d.tp_group, g.gather_group, expert)
+    return index(ordinary, index(experts) if experts is not None else None)
 
 
 def _log_wrap(engine: FSDPEngine, dims: ParallelDims) -> None:
@@ -185,10 +295,45 @@ def _param_mapping(model: FullyShardedModule) -> dict[int, nn.Parameter]:
     return mapping
 
 
-def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any
-                ) -> tuple[FullyShardedModule, torch.optim.Optimizer]:
-    """``fully_shard_model`` + point ``optimizer``'s param groups at the shards (``**kwargs`` are
-    ``fully_shard_model``'s arguments)."""
+def fully_shard(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device_mesh: DeviceMesh | None = None,
+    dp_shard_dim: str | None = None,
+    dp_outer_dim: str | None = None,
+    tp_dim: str | None = None,
+    hybrid_fsdp_group: dist.ProcessGroup | None = None,
+    hybrid_fsdp_expt_group: dist.ProcessGroup | None = None,
+    expt_device_mesh: DeviceMesh | None = None,
+    fsdp_group_ag: dist.ProcessGroup | None = None,
+    expt_fsdp_group_ag: dist.ProcessGroup | None = None,
+    fsdp_unit_modules: UnitSpec = None,
+    zero_dp_strategy: Strategy = 3,
+    outer_dp_sharding_strategy: Strategy = 0,
+    device: torch.device | None = None,
+    init_model_with_meta_device: bool = False,
+    mixed_precision_policy: MixedPrecisionPolicy = DEFAULT_MIXED_PRECISION_POLICY,
+    overlap_grad_reduce: bool = True,
+    overlap_param_gather: bool = True,
+    sync_model_each_microbatch: bool = True,
+    preproc_state_dict_for_dcp_ckpt: bool = True,
+    report_nan_in_param_grad: bool = False,
+    average_in_collective: bool = False,
+    disable_bucketing: bool = False,
+    calculate_per_token_loss: bool = False,
+    keep_fp8_transpose_cache: bool = False,
+    nccl_ub: bool = False,
+    fsdp_double_buffer: bool = False,
+    fsdp_db_use_persist_buf_on_alloc_fail: bool = False,
+    disable_symmetric_registration: bool = False,
+    enable_fine_grained_param_gather: bool = False,
+    use_decoupled_grad: bool = False,
+    cuda_graph_mode: bool = False,
+    maxpool_double_buffer: bool = False,
+) -> tuple[FullyShardedModule, torch.optim.Optimizer]:
+    """``fully_shard_model`` + point ``optimizer``'s param groups at the shards and
+    ``fully_shard_optimizer`` (the other arguments are ``fully_shard_model``'s)."""
+    kwargs = {k: v for k, v in locals().items() if k not in ("module", "optimizer")}
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(module, nn.Module):
@@ -199,18 +344,25 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: A
                     raise ValueError(f"optimizer param group {gi} holds a parameter of shape "
                                      f"{tuple(p.shape)} that is not a parameter of module; the "
                                      "optimizer's params must be the model's")
-    _check_bool("use_decoupled_grad", kwargs.get("use_decoupled_grad", False))  # fail before wrapping
-    check_decoupled_grad_consistency(kwargs.get("use_decoupled_grad", False), optimizer)
+    _check_bool("use_decoupled_grad", use_decoupled_grad)  # fail before wrapping
+    _check_bool("preproc_state_dict_for_dcp_ckpt", preproc_state_dict_for_dcp_ckpt)
+    check_decoupled_grad_consistency(use_decoupled_grad, optimizer)
     model = fully_shard_model(module, **kwargs)
     remap_optimizer_params(optimizer, _param_mapping(model))
-    return model, fully_shard_optimizer(optimizer)
+    return model, fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt)
 
 
-def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
+                          preproc_state_dict_for_dcp_ckpt: bool = True) -> torch.optim.Optimizer:
     """Make ``optimizer`` (built on a wrapped model's ``parameters()``) reset the FSDP grad
-    buffers in ``zero_grad``; returns the same object."""
+    buffers in ``zero_grad``; returns the same object.
+
+    ``preproc_state_dict_for_dcp_ckpt``: ``optimizer.state_dict()`` lists placeholder state for
+    params that have not been stepped yet, so ``torch.distributed.checkpoint.load`` can load a
+    checkpoint into a fresh optimizer (see ``fsdp_impl.dcp_optim_state``)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _check_bool("preproc_state_dict_for_dcp_ckpt", preproc_state_dict_for_dcp_ckpt)
     engines: list[FSDPEngine] = []
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -224,4 +376,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optim
                 engines.append(engine)
     for engine in engines:
         check_decoupled_grad_consistency(engine.use_decoupled_grad, optimizer)
+    if preproc_state_dict_for_dcp_ckpt and not getattr(optimizer, _PLACEHOLDER_HOOK_ATTR, False):
+        optimizer.register_state_dict_post_hook(PlaceholderStateHook())
+        setattr(optimizer, _PLACEHOLDER_HOOK_ATTR, True)
     return attach_engines(optimizer, engines)

@@ -33,3 +33,18 @@ def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> Non
     """MAX over ``group`` (``None``: the default group, i.e. every rank)."""
     with record_function("FSDP::all_reduce"):
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+# --- Reductions with a chosen op (fully_shard's average_in_collective / calculate_per_token_loss
+# pick SUM or AVG); same labels as the AVG forms above.
+def reduce_scatter_op(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
+                      op: dist.ReduceOp.RedOpType) -> None:
+    """Reduce ``full`` over ranks with ``op`` and keep this rank's segment in ``output``."""
+    with record_function("FSDP::reduce_scatter"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.reduce_scatter_tensor(output, full, op=op, group=group)
+
+
+def all_reduce_op(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType) -> None:
+    with record_function("FSDP::all_reduce"):
+        dist.all_reduce(tensor, op=op, group=group)

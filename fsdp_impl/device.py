@@ -46,10 +46,12 @@ class CommStream:
     collective sees finished inputs; ``record()`` returns an event the consumer waits on.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, side: bool = True) -> None:
         self.device = device
+        # side=False (fully_shard's overlap_* switches off): collectives run on the compute
+        # stream, in order with the compute, exactly as on CPU.
         self._stream: torch.cuda.Stream | None = (
-            torch.cuda.Stream(device=device) if device.type == "cuda" else None)
+            torch.cuda.Stream(device=device) if device.type == "cuda" and side else None)
 
     @contextlib.contextmanager
     def use(self) -> Iterator[None]:
@@ -88,6 +90,6 @@ class CommStreams:
     """The two side streams of one model: parameter all-gathers and gradient reductions, so a
     reduce-scatter never waits behind the next unit's prefetched all-gather."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.gather = CommStream(device)
-        self.reduce = CommStream(device)
+    def __init__(self, device: torch.device, overlap_gather: bool = True, overlap_reduce: bool = True) -> None:
+        self.gather = CommStream(device, overlap_gather)
+        self.reduce = CommStream(device, overlap_reduce)

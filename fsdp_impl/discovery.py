@@ -41,7 +41,12 @@ def resolve_unit_classes(spec: UnitSpec) -> tuple[type[nn.Module], ...]:
 
 
 def find_unit_modules(root: nn.Module, classes: tuple[type[nn.Module], ...]) -> list[tuple[str, nn.Module]]:
-    """Outermost submodules that are instances of ``classes`` (a match's descendants are skipped)."""
+    """Outermost submodules that are instances of ``classes`` (a match's descendants are skipped).
+
+    The root itself may match (as in Megatron-FSDP): then it is the outermost match and the whole
+    model is one unit, the root unit, gathered before the root's forward."""
+    if classes and isinstance(root, classes):
+        return []
     found: list[tuple[str, nn.Module]] = []
     for name, module in root.named_modules():
         if module is root or not isinstance(module, classes):

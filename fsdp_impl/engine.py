@@ -119,7 +119,7 @@ class FSDPEngine:
         if unit not in order:
             return
         j = order.index(unit) + step
-        if 0 <= j < len(order):
+        if 0 <= j < len(order) and order[j].ctx.prefetch:  # prefetch=False: overlap_param_gather off
             order[j].prefetch()
 
     def grad_ready(self, unit: FSDPUnit, param: ManagedParam) -> None:

@@ -14,6 +14,15 @@ over the data-parallel ranks into the unit's main-grad shard (``DataParallelBuff
   main-grad shard is all-reduced (AVG) across dp_outer. AVG is linear, so reducing the
   accumulated sum once equals reducing every microbatch.
 
+How the ranks' grads are combined is a ``GradScaling`` (fully_shard's ``average_in_collective``
+and ``calculate_per_token_loss``): by default each rank's grads are divided by the
+data-parallel size first and then summed (``SUM``); ``average_in_collective`` averages in the
+collective instead (``AVG``, the same result up to rounding); ``calculate_per_token_loss``
+sums without any division (the loss is already normalised by the global token count).
+Expert-parallel units divide by the (non-expert) data-parallel size too although they reduce
+over the smaller expert-data-parallel group, because every expert grad already holds the
+contributions of its expert-parallel peers' tokens.
+
 Reductions run on the model's reduce stream (a no-op on CPU); each ``reduce`` returns the event
 that marks it done. Every rank calls them in the engine's unit order.
 """
@@ -29,6 +38,37 @@ from . import comm
 from .buffers import DataParallelBuffer
 from .device import CommStream
 from .parallel_dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class GradScaling:
+    """How a unit's grads are combined over the data-parallel ranks: multiply the local grads by
+    ``pre_scale`` (``None`` or 1: not at all), then reduce with ``AVG`` (``average``) or
+    ``SUM``. Every level of a reduction (dp_shard, then dp_outer) uses the same op; only the
+    first pre-scales."""
+
+    average: bool = True
+    pre_scale: float | None = None
+
+    @classmethod
+    def for_units(cls, average_in_collective: bool, per_token_loss: bool, dp_size: int,
+                  reduce_size: int) -> GradScaling:
+        """The scaling of units whose grads reduce over ``reduce_size`` ranks of a model
+        trained data-parallel over ``dp_size`` ranks (equal except for expert units)."""
+        if per_token_loss:
+            return cls(average=False)
+        if average_in_collective:
+            return cls(average=True, pre_scale=reduce_size / dp_size)
+        return cls(average=False, pre_scale=1.0 / dp_size)
+
+    @property
+    def op(self) -> dist.ReduceOp.RedOpType:
+        return dist.ReduceOp.AVG if self.average else dist.ReduceOp.SUM
+
+    def prepare(self, full: torch.Tensor) -> None:
+        """Pre-scale ``full`` (a temporary the reducer owns) in place."""
+        if self.pre_scale is not None and self.pre_scale != 1.0:
+            full.mul_(self.pre_scale)
 
 
 @dataclass(frozen=True)
@@ -57,22 +97,24 @@ class ShardGroupReduce:
     """One level: average over the shard group straight into the unit's grad shard."""
 
     def __init__(self, group: dist.ProcessGroup, all_reduce: bool, stream: CommStream,
-                 device: torch.device) -> None:
+                 device: torch.device, scaling: GradScaling = GradScaling()) -> None:
         self.group = group
         self.all_reduce = all_reduce  # no_shard: every rank keeps the whole (averaged) grad
         self.stream = stream
         self.device = device
+        self.scaling = scaling
 
     def reduce(self, full: torch.Tensor, grad: DataParallelBuffer, sync: bool) -> torch.cuda.Event | None:
         """Reduce ``full`` (every backward; ``sync`` does not matter for one level)."""
         grad.ensure_allocated()
         with self.stream.use():
+            self.scaling.prepare(full)
             if self.all_reduce:
-                comm.all_reduce_avg(full, self.group)
+                comm.all_reduce_op(full, self.group, self.scaling.op)
                 grad.data.add_(full)
             else:
                 out = torch.empty(grad.layout.segment_numel, dtype=full.dtype, device=self.device)
-                comm.reduce_scatter_avg(out, full, self.group)
+                comm.reduce_scatter_op(out, full, self.group, self.scaling.op)
                 grad.data.add_(out)
         self.stream.keep_alive(full)
         return self.stream.record()
@@ -91,22 +133,25 @@ class TwoLevelReduceScatter:
     """
 
     def __init__(self, groups: TwoLevelGroups, stream: CommStream, device: torch.device,
-                 accum_dtype: torch.dtype) -> None:
+                 accum_dtype: torch.dtype, scaling: GradScaling = GradScaling()) -> None:
         self.groups = groups
         self.stream = stream
         self.device = device
         self.accum_dtype = accum_dtype  # the main-grads dtype
+        self.scaling = scaling
         self._inner_accum: torch.Tensor | None = None  # inner-reduced, not yet synced grads
 
     def reduce(self, full: torch.Tensor, grad: DataParallelBuffer, sync: bool) -> torch.cuda.Event | None:
         seg = grad.layout.segment_numel
         n_in, n_out = dist.get_world_size(self.groups.inner), dist.get_world_size(self.groups.outer)
+        op = self.scaling.op
         with self.stream.use():
+            self.scaling.prepare(full)
             by_inner = full.view(n_out, n_in, seg).transpose(0, 1).contiguous().view(-1)
             part = by_inner[: n_out * seg] if n_in == 1 else torch.empty(n_out * seg, dtype=full.dtype,
                                                                          device=self.device)
             if n_in > 1:
-                comm.reduce_scatter_avg(part, by_inner, self.groups.inner)
+                comm.reduce_scatter_op(part, by_inner, self.groups.inner, op)
             if self._inner_accum is None:
                 self._inner_accum = torch.zeros(n_out * seg, dtype=self.accum_dtype, device=self.device)
             self._inner_accum.add_(part)
@@ -115,7 +160,7 @@ class TwoLevelReduceScatter:
                 out = self._inner_accum.to(full.dtype)
                 if n_out > 1:
                     out, acc = torch.empty(seg, dtype=full.dtype, device=self.device), out
-                    comm.reduce_scatter_avg(out, acc, self.groups.outer)
+                    comm.reduce_scatter_op(out, acc, self.groups.outer, op)
                 grad.data.add_(out)
                 self._inner_accum = None
         self.stream.keep_alive(full)
@@ -130,26 +175,34 @@ UnitGradReduce = ShardGroupReduce | TwoLevelReduceScatter
 
 
 def unit_grad_reduce(group: dist.ProcessGroup, all_reduce: bool, two_level: TwoLevelGroups | None,
-                     stream: CommStream, device: torch.device, accum_dtype: torch.dtype) -> UnitGradReduce:
+                     stream: CommStream, device: torch.device, accum_dtype: torch.dtype,
+                     scaling: GradScaling = GradScaling()) -> UnitGradReduce:
     """The reducer of one unit: two levels when HFSDP's groups nest, else one."""
     if two_level is not None:
-        return TwoLevelReduceScatter(two_level, stream, device, accum_dtype)
-    return ShardGroupReduce(group, all_reduce, stream, device)
+        return TwoLevelReduceScatter(two_level, stream, device, accum_dtype, scaling)
+    return ShardGroupReduce(group, all_reduce, stream, device, scaling)
 
 
 class OuterGradReducer:
-    """HSDP: averages every unit's main-grad shard across the dp_outer replicas, once per
-    optimisation cycle (called by the engine on the sync backward, before grads are installed)."""
+    """HSDP: combines every unit's main-grad shard across the dp_outer replicas, once per
+    optimisation cycle (called by the engine on the sync backward, before grads are installed).
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    ``groups`` holds, per unit in the engine's order, the dp_outer group its grads reduce over
+    (expert units have their own) or ``None`` (no outer level for that unit); one group for
+    every unit may be given as a single group."""
+
+    def __init__(self, groups: dist.ProcessGroup | list[dist.ProcessGroup | None],
+                 op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG) -> None:
+        self.groups = groups
+        self.op = op
 
     def reduce(self, grad_buffers: list[DataParallelBuffer | None]) -> None:
         """``grad_buffers``: the units' grad buffers (``None`` for frozen-only units), in the
         engine's unit order, identical on every rank."""
+        groups = self.groups if isinstance(self.groups, list) else [self.groups] * len(grad_buffers)
         with record_function("FSDP::hsdp_outer_reduce"):
-            for buf in grad_buffers:
-                if buf is None or not buf.data.numel():
+            for buf, group in zip(grad_buffers, groups, strict=True):
+                if buf is None or group is None or not buf.data.numel():
                     continue
                 buf.ensure_allocated()  # zero_grad(set_to_none=True) may have freed it
-                comm.all_reduce_avg(buf.data, self.group)
+                comm.all_reduce_op(buf.data, group, self.op)

@@ -65,49 +65,52 @@ def _ranks(group: dist.ProcessGroup) -> list[int]:
     return sorted(dist.get_process_group_ranks(group))
 
 
-def _check_pairing(dp_outer_dim: str | None, hybrid_fsdp_group: object,
-                   outer: ShardingStrategy) -> dist.ProcessGroup | None:
-    """Check that HSDP's two arguments come together; returns the (type-checked) group."""
+def _check_pairing(dp_outer_dim: str | None, hybrid_fsdp_group: object, outer: ShardingStrategy,
+                   group_arg: str = "hybrid_fsdp_group") -> dist.ProcessGroup | None:
+    """Check that HSDP's two arguments come together; returns the (type-checked) group.
+    ``group_arg`` names the group argument in messages (the expert mesh's is another one)."""
     if (dp_outer_dim is None) != (hybrid_fsdp_group is None):
-        given, missing = (("dp_outer_dim", "hybrid_fsdp_group") if dp_outer_dim is not None
-                          else ("hybrid_fsdp_group", "dp_outer_dim"))
+        given, missing = (("dp_outer_dim", group_arg) if dp_outer_dim is not None
+                          else (group_arg, "dp_outer_dim"))
         raise ValueError(f"{given} was given without {missing}; HSDP needs both (dp_outer_dim names "
-                         "the replica dim of the mesh, hybrid_fsdp_group is the process group over "
+                         f"the replica dim of the mesh, {group_arg} is the process group over "
                          "dp_outer x dp_shard_dim), or neither for plain FSDP")
     if outer == ShardingStrategy.OPTIM and dp_outer_dim is None:
         raise ValueError("outer_dp_sharding_strategy='optim'/1 needs dp_outer_dim and "
-                         "hybrid_fsdp_group; without them the only allowed value is 'no_shard'/0")
+                         f"{group_arg}; without them the only allowed value is 'no_shard'/0")
     if hybrid_fsdp_group is not None and not isinstance(hybrid_fsdp_group, dist.ProcessGroup):
-        raise TypeError("hybrid_fsdp_group must be a torch.distributed.ProcessGroup (e.g. "
+        raise TypeError(f"{group_arg} must be a torch.distributed.ProcessGroup (e.g. "
                         f"device_mesh[{MeshDim.HSDP.value!r}].get_group()), got "
                         f"{type(hybrid_fsdp_group).__name__}")
     return hybrid_fsdp_group
 
 
 def _check_hybrid_group(inner: DeviceMesh, outer: DeviceMesh, hybrid: dist.ProcessGroup,
-                        dp_shard_dim: str, dp_outer_dim: str) -> None:
+                        dp_shard_dim: str, dp_outer_dim: str, group_arg: str) -> None:
     """The hybrid group must be exactly this rank's dp_outer x dp_shard_dim block."""
     expected = inner.size() * outer.size()
     if hybrid.size() != expected:
-        raise ValueError(f"hybrid_fsdp_group has {hybrid.size()} ranks but dp_outer_dim={dp_outer_dim!r} "
+        raise ValueError(f"{group_arg} has {hybrid.size()} ranks but dp_outer_dim={dp_outer_dim!r} "
                          f"(size {outer.size()}) x dp_shard_dim={dp_shard_dim!r} (size {inner.size()}) "
                          f"has {expected}; pass the group of the flattened dp_outer x dp_shard_dim dim")
     members = set(_ranks(hybrid))
     missing = [r for r in _ranks(inner.get_group()) + _ranks(outer.get_group()) if r not in members]
     if missing:
-        raise ValueError(f"hybrid_fsdp_group does not contain ranks {missing} of this rank's "
+        raise ValueError(f"{group_arg} does not contain ranks {missing} of this rank's "
                          f"dp_shard_dim={dp_shard_dim!r} / dp_outer_dim={dp_outer_dim!r} groups; pass "
                          "the group of the flattened dp_outer x dp_shard_dim dim")
 
 
 def resolve_parallel_dims(mesh: DeviceMesh, inner_mesh: DeviceMesh, dp_shard_dim: str | None,
                           dp_outer_dim: str | None, tp_dim: str | None, hybrid_fsdp_group: object,
-                          strategy: ShardingStrategy, outer: ShardingStrategy) -> ParallelDims:
+                          strategy: ShardingStrategy, outer: ShardingStrategy,
+                          group_arg: str = "hybrid_fsdp_group") -> ParallelDims:
     """Validate the HSDP/TP arguments and pick the groups (no collective is issued here).
 
     The strategy pairing (outer ``'optim'``/1 needs inner ``'optim_grads_params'``/3) is
-    checked by the caller, with the other argument checks."""
-    hybrid = _check_pairing(dp_outer_dim, hybrid_fsdp_group, outer)
+    checked by the caller, with the other argument checks. ``group_arg`` names
+    ``hybrid_fsdp_group`` in messages (``hybrid_fsdp_expt_group`` for the expert mesh)."""
+    hybrid = _check_pairing(dp_outer_dim, hybrid_fsdp_group, outer, group_arg)
     tp_mesh, tp_group = None, None
     if tp_dim is not None:
         tp_mesh = submesh(mesh, tp_dim, "tp_dim")
@@ -126,7 +129,7 @@ def resolve_parallel_dims(mesh: DeviceMesh, inner_mesh: DeviceMesh, dp_shard_dim
     if dp_outer_dim == dp_shard_dim:
         raise ValueError(f"dp_outer_dim={dp_outer_dim!r} must differ from dp_shard_dim={dp_shard_dim!r}")
     outer_mesh = submesh(mesh, dp_outer_dim, "dp_outer_dim")
-    _check_hybrid_group(inner_mesh, outer_mesh, hybrid, str(dp_shard_dim), dp_outer_dim)
+    _check_hybrid_group(inner_mesh, outer_mesh, hybrid, str(dp_shard_dim), dp_outer_dim, group_arg)
     dims.outer_group = outer_mesh.get_group()
     dims.hybrid_group = hybrid
     if outer == ShardingStrategy.OPTIM:
@@ -138,6 +141,29 @@ def resolve_parallel_dims(mesh: DeviceMesh, inner_mesh: DeviceMesh, dp_shard_dim
             dims.hsdp_reduce_group = dims.outer_group
         dims.plan = _hsdp_plan(mesh, dims.plan, (dp_outer_dim, str(dp_shard_dim)), sharded, tp_dim)
     return dims
+
+
+def _ordered_ranks(group: dist.ProcessGroup) -> list[int]:
+    """Global ranks in group-rank order (what an all-gather's output order follows)."""
+    return sorted(dist.get_process_group_ranks(group), key=lambda r: dist.get_group_rank(group, r))
+
+
+def check_gather_group(gather_group: object, dims: ParallelDims, arg: str) -> None:
+    """``fsdp_group_ag`` / ``expt_fsdp_group_ag``: a second communicator over exactly the ranks,
+    in the same order, that the units' params are gathered over (so the all-gathers can overlap
+    the grad reductions on the other one)."""
+    if gather_group is None:
+        return
+    member = gather_group is not dist.GroupMember.NON_GROUP_MEMBER  # what new_group gives non-members
+    if member and not isinstance(gather_group, dist.ProcessGroup):
+        raise TypeError(f"{arg} must be a torch.distributed.ProcessGroup or None, got {type(gather_group).__name__}")
+    shard_group = dims.shard_group or dims.shard_mesh.get_group()
+    expected = _ordered_ranks(shard_group)
+    got = _ordered_ranks(gather_group) if member else []  # type: ignore[arg-type]
+    if got != expected:
+        raise ValueError(f"{arg} must hold the same ranks, in the same order, as the group the params are "
+                         f"gathered over ({expected} on this rank); got {got or 'a group without this rank'}")
+
 
 def _own_names(mesh: DeviceMesh) -> tuple[str, ...] | None:
     names = mesh.mesh_dim_names

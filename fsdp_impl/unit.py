@@ -19,7 +19,7 @@ from . import comm
 from .buffers import DataParallelBuffer, ParameterGroup
 from .decoupled import grad_attr_name
 from .device import CommStreams
-from .grad_reduce import TwoLevelGroups, UnitGradReduce, unit_grad_reduce
+from .grad_reduce import GradScaling, TwoLevelGroups, UnitGradReduce, unit_grad_reduce
 from .param import ManagedParam
 from .placement import PlacementPlan
 from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
@@ -63,6 +63,12 @@ class UnitContext:
     # HFSDP two-level grad reduction: reduce-scatter inside dp_shard every backward, across
     # dp_outer only on the sync backward (``None``: one reduction over ``group``).
     two_level: TwoLevelGroups | None = None
+    # fully_shard's communication options: how grads are scaled and reduced, the group of the
+    # param all-gathers (fsdp_group_ag; ``None``: ``group``), whether ZeRO-3 prefetches the
+    # next unit (overlap_param_gather).
+    grad_scaling: GradScaling = GradScaling()
+    gather_group: dist.ProcessGroup | None = None
+    prefetch: bool = True
 
     @property
     def num_shards(self) -> int:
@@ -98,7 +104,7 @@ class FSDPUnit:
                                            self.dtypes.main_grads, ctx.device)
         self.reducer: UnitGradReduce = unit_grad_reduce(
             ctx.group, ctx.strategy == ShardingStrategy.NO_SHARD, ctx.two_level, ctx.streams.reduce,
-            ctx.device, self.dtypes.main_grads)
+            ctx.device, self.dtypes.main_grads, ctx.grad_scaling)
         self.group = ParameterGroup(name, self.weight, self.grad,
                                     ctx.policy.main_params_dtype is not None)
         self._accumulator: torch.Tensor | None = None  # ZeRO-0/1 full-size unsynced grads
@@ -197,7 +203,7 @@ class FSDPUnit:
             compute = self.dtypes.compute
             local = self.weight.data if self.weight.dtype == compute else self.weight.data.to(compute)
             gathered = torch.empty(self.weight.layout.total_numel, dtype=compute, device=self.ctx.device)
-            comm.all_gather(gathered, local, self.ctx.group)
+            comm.all_gather(gathered, local, self.ctx.gather_group or self.ctx.group)
         return _Gather(gathered, stream.record(), version)
 
     def _finish_gather(self, gather: _Gather) -> None:

@@ -5,7 +5,7 @@ make resume exact: a run resumed from step k reproduces the uninterrupted run's 
 parameters, also after changing world size or ZeRO strategy.  See :mod:`._api`.
 """
 
-from ._api import load, save
+from ._api import data_dir, load, save
 from ._errors import (
     CheckpointCorruptedError,
     CheckpointError,
@@ -17,6 +17,7 @@ from ._errors import (
 __all__ = [
     "save",
     "load",
+    "data_dir",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointMismatchError",

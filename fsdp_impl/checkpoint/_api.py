@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import _comm, _files
+from . import _comm, _files, _layout
 from ._errors import CheckpointCorruptedError, CheckpointError, CheckpointWriteError
 from ._state import (
     MODEL_KEY,
@@ -28,57 +28,71 @@ from ._state import (
 )
 from ._validate import check_model_matches
 
-__all__ = ["save", "load"]
+__all__ = ["save", "load", "data_dir"]
 
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer: Any, extra: dict | None = None) -> None:
     """Write model + optimizer state (and ``extra``) to the directory ``path``; collective.
 
-    All ranks must call it with the same ``path`` on a filesystem they share.  Data goes into
-    ``<path>.tmp-<unique>`` first and rank 0 renames it to ``path`` only once every file is
-    written and hashed, so an interrupted save leaves any previous checkpoint intact.
+    All ranks must call it with the same ``path`` on a filesystem they share.  Data goes into a
+    new data directory inside ``path``; once every file is written and hashed, rank 0 commits it
+    by atomically replacing ``path/manifest.json``, so at any instant ``path`` holds a complete
+    checkpoint (the previous one until the commit).  Other files in ``path`` are never touched.
     ``extra`` (epoch, RNG states, LR-scheduler and data-loader state ...) is pickled by rank 0,
     so it must be the same on all ranks or only meaningful on rank 0; store per-rank values
     (e.g. each rank's RNG state) as a list gathered with ``dist.all_gather_object``.  Tensors
     in ``extra`` come back on the CPU.
     """
     path = _files.as_path(path)
+    _refuse_expert_parallel(model)
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict or None; got {type(extra).__name__}")
     torch_optimizer = unwrap_optimizer(optimizer)
     model_sd, _ = model_state(model)
     snapshot = snapshot_optimizer(model, torch_optimizer)
 
-    tmp, error = None, None
+    data, error = None, None
     if _comm.rank() == 0:
         try:
-            tmp = _files.new_temp_dir(path)
+            data = _layout.prepare(path)
         except (OSError, CheckpointError) as e:
             error = e
     _comm.raise_if_any_failed(error, f"preparing checkpoint directory {path}", CheckpointWriteError)
-    tmp = Path(_comm.broadcast_from_rank0(None if tmp is None else str(tmp)))
+    data = Path(_comm.broadcast_from_rank0(None if data is None else str(data)))
     try:
-        _write(tmp, path, {MODEL_KEY: model_sd, OPTIM_KEY: snapshot.state}, snapshot, extra)
+        _write(data, path, {MODEL_KEY: model_sd, OPTIM_KEY: snapshot.state}, snapshot, extra)
     except BaseException:
         if _comm.rank() == 0:
-            _files.discard(tmp)
+            _layout.discard(data)
         raise
 
 
-def _write(tmp: Path, path: Path, state: dict, snapshot: OptimizerSnapshot, extra: dict | None) -> None:
-    """Fill ``tmp`` (DCP data, extra.pt, manifest) and publish it as ``path``."""
+def _refuse_expert_parallel(model: nn.Module) -> None:
+    """Expert-parallel models keep each EP rank's local experts under the same names, which one
+    DCP checkpoint cannot tell apart (its planner would keep one EP rank's experts): refuse
+    rather than write or read a checkpoint that silently loses experts."""
+    index = getattr(model, "dist_index", None)
+    if getattr(index, "expt_device_mesh", None) is not None:
+        raise NotImplementedError(
+            "fsdp_impl.checkpoint does not support expert-parallel models yet (wrapped with "
+            "expt_device_mesh): every EP rank's local experts have the same parameter names, so one "
+            "DCP checkpoint would keep only one EP rank's experts")
+
+
+def _write(data: Path, path: Path, state: dict, snapshot: OptimizerSnapshot, extra: dict | None) -> None:
+    """Fill the new data directory (DCP files, extra.pt), hash it, and commit it as ``path``."""
     try:
-        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not _comm.is_distributed())
+        dcp.save(state, storage_writer=FileSystemWriter(data), no_dist=not _comm.is_distributed())
     except CheckpointException as e:  # DCP raises it on every rank
-        raise CheckpointWriteError(f"writing checkpoint data to {tmp} failed: {e}") from e
+        raise CheckpointWriteError(f"writing checkpoint data to {data} failed: {e}") from e
 
     error, names = None, None
     if _comm.rank() == 0:
         try:
             buffer = io.BytesIO()
             torch.save({"param_groups": snapshot.hyperparameters, "extra": extra}, buffer)
-            _files.write_file_durably(tmp / _files.EXTRA_NAME, buffer.getvalue())
-            names = _files.data_files(tmp)
+            _files.write_file_durably(data / _files.EXTRA_NAME, buffer.getvalue())
+            names = _files.data_files(data)
         except Exception as e:  # unpicklable extra, disk full ...
             error = e
     _comm.raise_if_any_failed(error, f"writing {_files.EXTRA_NAME}", CheckpointWriteError)
@@ -87,7 +101,7 @@ def _write(tmp: Path, path: Path, state: dict, snapshot: OptimizerSnapshot, extr
     digests, error = {}, None
     try:
         for name in _files.my_share(names, _comm.rank(), _comm.world_size()):
-            digests[name] = _files.file_digest(tmp / name)
+            digests[name] = _files.file_digest(data / name)
     except OSError as e:
         error = e
     _comm.raise_if_any_failed(error, "hashing checkpoint files", CheckpointWriteError)
@@ -98,8 +112,8 @@ def _write(tmp: Path, path: Path, state: dict, snapshot: OptimizerSnapshot, extr
     error = None
     if _comm.rank() == 0:
         try:
-            _files.write_manifest(tmp, snapshot.description, files, _comm.world_size(), torch.__version__)
-            _files.publish(tmp, path)
+            manifest = _files.new_manifest(snapshot.description, files, _comm.world_size(), torch.__version__)
+            _layout.commit(path, data, manifest)
         except (OSError, CheckpointError) as e:
             error = e
     _comm.raise_if_any_failed(error, f"publishing checkpoint {path}", CheckpointWriteError)
@@ -117,8 +131,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Any) -> dict | No
     Returns the ``extra`` dict given to :func:`save` (``None`` if none was given).
     """
     path = _files.as_path(path)
+    _refuse_expert_parallel(model)
     torch_optimizer = unwrap_optimizer(optimizer)
-    manifest, metadata, side = _open(path)
+    manifest, data, metadata, side = _open(path)
 
     model_sd, original_keys = model_state(model)
     check_model_matches(model_sd, metadata, path)
@@ -134,7 +149,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Any) -> dict | No
     optim_state = empty_optimizer_state(manifest["optimizer"], model, entry)
     state = {MODEL_KEY: model_sd, OPTIM_KEY: optim_state}
     try:
-        dcp.load(state, storage_reader=FileSystemReader(path), no_dist=not _comm.is_distributed())
+        dcp.load(state, storage_reader=FileSystemReader(data), no_dist=not _comm.is_distributed())
     except CheckpointException as e:
         raise CheckpointCorruptedError(f"reading checkpoint {path} failed: {e}") from e
     _install_model_state(model, state[MODEL_KEY], original_keys)
@@ -142,34 +157,52 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Any) -> dict | No
     return side["extra"]
 
 
-def _open(path: Path) -> tuple[dict, Any, dict]:
-    """Manifest, verified files, DCP metadata and extra.pt, with one agreed error on all ranks."""
-    manifest, error = None, None
+def _open(path: Path) -> tuple[dict, Path, Any, dict]:
+    """Manifest, data directory, DCP metadata and extra.pt, after every file was verified, with
+    one agreed error on all ranks. Rank 0 first restores a checkpoint that an interrupted
+    version-1 publish left beside ``path``."""
+    manifest, data = None, None
+    error: Exception | None = None
+    if _comm.rank() == 0:
+        try:
+            _layout.recover_interrupted_v1(path, clean=False)
+        except OSError as e:
+            error = e
+    _comm.raise_if_any_failed(error, f"recovering checkpoint {path}", CheckpointCorruptedError)
     try:
         manifest = _files.read_manifest(path)
+        data = _layout.data_dir(path, manifest)
     except CheckpointError as e:
         error = e
     _comm.raise_if_any_failed(error, f"opening checkpoint {path}", CheckpointCorruptedError)
-    assert manifest is not None  # read_manifest raised otherwise, and so did raise_if_any_failed
+    assert manifest is not None and data is not None  # else raise_if_any_failed raised
 
     expected = manifest["files"]
     mine = _files.my_share(sorted(expected), _comm.rank(), _comm.world_size())
-    problems = [p for part in _comm.all_gather(_files.verify_files(path, expected, mine)) for p in part]
+    problems = [p for part in _comm.all_gather(_files.verify_files(data, expected, mine)) for p in part]
     if problems:
         raise CheckpointCorruptedError(
             f"checkpoint {path} is damaged ({len(problems)} file problem(s)):\n  " + "\n  ".join(problems)
         )
-    metadata_file = path / _files.DCP_METADATA_NAME
+    metadata_file = data / _files.DCP_METADATA_NAME
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = FileSystemReader(data).read_metadata()
     except Exception as e:
         raise CheckpointCorruptedError(f"checkpoint file {metadata_file} is unreadable: {e}") from e
-    extra_file = path / _files.EXTRA_NAME
+    extra_file = data / _files.EXTRA_NAME
     try:
         side = torch.load(extra_file, map_location="cpu", weights_only=False)
     except Exception as e:
         raise CheckpointCorruptedError(f"checkpoint file {extra_file} is unreadable: {e}") from e
-    return manifest, metadata, side
+    return manifest, data, metadata, side
+
+
+def data_dir(path: str | os.PathLike) -> Path:
+    """The directory holding the DCP files (``.metadata``, ``*.distcp``) of the checkpoint at
+    ``path``, for tools that read DCP directly (``FileSystemReader(data_dir(path))``). Not a
+    collective; the manifest is not verified against the files."""
+    path = _files.as_path(path)
+    return _layout.data_dir(path, _files.read_manifest(path))
 
 
 def _install_model_state(model: nn.Module, loaded: dict[str, Any], original_keys: dict[str, str]) -> None:

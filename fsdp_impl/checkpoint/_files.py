@@ -1,10 +1,9 @@
-"""On-disk layout of a checkpoint: atomic publication, manifest, integrity checks.
+"""Checkpoint files: the manifest, durable writes, integrity checks.
 
-A checkpoint directory holds DCP's files (``.metadata`` and ``*.distcp``), ``extra.pt``
-(optimizer hyperparameters and the user's ``extra`` dict, written by rank 0) and, written
-last, ``manifest.json`` (format version, optimizer description, size and SHA-256 of every
-other file).  Everything is written into a sibling temporary directory which rank 0 renames
-into place, so a crash mid-save never leaves a half-written checkpoint where a good one was.
+A checkpoint's data directory holds DCP's files (``.metadata`` and ``*.distcp``) and
+``extra.pt`` (optimizer hyperparameters and the user's ``extra`` dict, written by rank 0);
+``manifest.json`` (format version, optimizer description, size and SHA-256 of every data file,
+and the data directory's name) is written last and commits the save (see ``_layout``).
 """
 
 from __future__ import annotations
@@ -12,19 +11,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ._errors import CheckpointCorruptedError, CheckpointNotFoundError, CheckpointWriteError
+from ._errors import CheckpointCorruptedError, CheckpointNotFoundError
 
 MANIFEST_NAME = "manifest.json"
 EXTRA_NAME = "extra.pt"
 DCP_METADATA_NAME = ".metadata"
 FORMAT_NAME = "fsdp_impl.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: data in a directory the manifest names; 1: data next to the manifest
+READABLE_VERSIONS = (1, 2)
 
 _CHUNK = 1 << 20
 
@@ -36,35 +34,8 @@ def as_path(path: Any, argument: str = "path") -> Path:
     return Path(path)
 
 
-def new_temp_dir(path: Path) -> Path:
-    """Create ``<path>.tmp-<unique>`` next to ``path`` (same filesystem, so rename is atomic)."""
-    check_replaceable(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:12]}")
-    tmp.mkdir()
-    return tmp
-
-
-def is_checkpoint_dir(path: Path) -> bool:
-    """A directory that a previous save (or a bare DCP save) produced."""
-    return (path / MANIFEST_NAME).is_file() or (path / DCP_METADATA_NAME).is_file()
-
-
-def check_replaceable(path: Path) -> None:
-    """Refuse to overwrite anything but an earlier checkpoint or an empty directory."""
-    if not path.exists():
-        return
-    if not path.is_dir():
-        raise CheckpointWriteError(f"checkpoint path {path} exists and is not a directory")
-    if any(path.iterdir()) and not is_checkpoint_dir(path):
-        raise CheckpointWriteError(
-            f"checkpoint path {path} is a non-empty directory that is not a checkpoint; "
-            "refusing to replace it"
-        )
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable (directory entries live in the parent directory)."""
+def fsync_dir(path: Path) -> None:
+    """Make renames and new entries in ``path`` durable (directory entries live in the directory)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # pragma: no cover - platforms without directory fds
@@ -75,34 +46,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def publish(tmp: Path, path: Path) -> None:
-    """Move the finished ``tmp`` directory to ``path``, replacing an older checkpoint.
-
-    The old checkpoint is renamed aside and deleted only after the new one is in place; if
-    the second rename fails, the old one is put back.
-    """
-    check_replaceable(path)
-    aside = None
-    if path.exists():
-        aside = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:12]}")
-        os.rename(path, aside)
-    try:
-        os.rename(tmp, path)
-    except BaseException:
-        if aside is not None:
-            os.rename(aside, path)
-        raise
-    _fsync_dir(path.parent)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-
-
-def discard(tmp: Path | None) -> None:
-    """Best-effort removal of an abandoned temporary directory."""
-    if tmp is not None:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_file_durably(path: Path, data: bytes) -> None:
@@ -125,8 +68,8 @@ def file_digest(path: Path) -> dict[str, Any]:
 
 
 def data_files(directory: Path) -> list[str]:
-    """Every file of the checkpoint except the manifest, sorted (same order on all ranks)."""
-    return sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST_NAME)
+    """Every file of a data directory, sorted (same order on all ranks)."""
+    return sorted(p.name for p in directory.iterdir() if p.is_file())
 
 
 def my_share(names: list[str], rank: int, world_size: int) -> list[str]:
@@ -134,9 +77,10 @@ def my_share(names: list[str], rank: int, world_size: int) -> list[str]:
     return [n for i, n in enumerate(names) if i % world_size == rank]
 
 
-def write_manifest(directory: Path, optimizer: Mapping[str, Any], files: Mapping[str, Any],
-                   world_size: int, torch_version: str) -> None:
-    manifest = {
+def new_manifest(optimizer: Mapping[str, Any], files: Mapping[str, Any], world_size: int,
+                 torch_version: str) -> dict[str, Any]:
+    """The manifest of a new checkpoint (``_layout.commit`` adds the data directory's name)."""
+    return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "saved_world_size": world_size,
@@ -144,7 +88,6 @@ def write_manifest(directory: Path, optimizer: Mapping[str, Any], files: Mapping
         "optimizer": optimizer,
         "files": dict(sorted(files.items())),
     }
-    write_file_durably(directory / MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
 
 
 def _leftovers(path: Path) -> list[str]:
@@ -175,9 +118,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointCorruptedError(f"checkpoint file {manifest_path} is unreadable or corrupted: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise CheckpointCorruptedError(f"checkpoint file {manifest_path} is not an {FORMAT_NAME} manifest")
-    if manifest.get("version") != FORMAT_VERSION:
+    if manifest.get("version") not in READABLE_VERSIONS:
+        readable = " and ".join(str(v) for v in READABLE_VERSIONS)
         raise CheckpointCorruptedError(
-            f"checkpoint {path} has format version {manifest.get('version')}; this code reads version {FORMAT_VERSION}"
+            f"checkpoint {path} has format version {manifest.get('version')}; this code reads versions {readable}"
         )
     return manifest
 

@@ -129,13 +129,40 @@ def snapshot_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Op
         state[name] = dict(entry)
         kinds[name] = {str(k): _entry_kind(v, params[name]) for k, v in entry.items()}
     hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in sd["param_groups"]]
-    description = {"class": type(optimizer).__name__, "param_groups": names, "state": kinds}
+    description = {"class": optimizer_class_name(optimizer), "param_groups": names, "state": kinds}
     return OptimizerSnapshot(state=state, description=description, hyperparameters=hyper)
+
+
+def user_optimizer_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
+    """The user's optimizer class: ``fully_shard`` swaps in a one-off subclass ``FSDP<Name>``
+    (bases: a mixin and the user's class), which this looks through."""
+    cls = type(optimizer)
+    while len(cls.__bases__) > 1 and cls.__name__ == f"FSDP{cls.__bases__[-1].__name__}":
+        cls = cls.__bases__[-1]
+    return cls
+
+
+def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
+    return user_optimizer_class(optimizer).__name__
+
+
+def _check_optimizer_class(saved: str, optimizer: torch.optim.Optimizer) -> None:
+    """Another optimizer's state (Adam's moments into SGD) would load and then fail or
+    silently misbehave in ``step()``; refuse it here. Checkpoints of format 1 recorded the
+    class under its ``FSDP`` one-off name."""
+    current = optimizer_class_name(optimizer)
+    if saved not in (current, f"FSDP{current}"):
+        raise CheckpointMismatchError(
+            f"checkpoint was saved with optimizer {saved} but is being loaded into {current}; their "
+            f"states differ: build a {saved.removeprefix('FSDP')} optimizer to resume from this checkpoint"
+        )
 
 
 def check_optimizer_matches(saved: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
                             limit: int = 5) -> None:
-    """Raise ``CheckpointMismatchError`` if param groups differ in count or parameter names."""
+    """Raise ``CheckpointMismatchError`` if the optimizer class differs or the param groups
+    differ in count or parameter names."""
+    _check_optimizer_class(saved["class"], optimizer)
     current = group_param_names(model, optimizer)
     saved_groups: list[list[str]] = saved["param_groups"]
     if len(saved_groups) != len(current):

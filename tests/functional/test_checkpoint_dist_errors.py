@@ -46,7 +46,8 @@ def test_truncated_shard_found_by_another_rank_fails_everywhere(dist_env: Any, s
     model, optimizer = _trained(dist_env)
     path = shared_tmp_path / "ck"
     checkpoint.save(path, model, optimizer)
-    victim = path / "__0_0.distcp"  # hashed by rank 1 in the round-robin split (sorted: .metadata, __0_0, ...)
+    # hashed by rank 1 in the round-robin split (sorted: .metadata, __0_0, ...)
+    victim = checkpoint.data_dir(path) / "__0_0.distcp"
     size = victim.stat().st_size
     _on_rank0(dist_env, lambda: os.truncate(victim, size - 7))
     fresh, fresh_opt = wrap(CNN, dist_env.device, seed=5)
@@ -61,7 +62,7 @@ def test_flipped_byte_is_reported_with_the_file_name(dist_env: Any, shared_tmp_p
     model, optimizer = _trained(dist_env)
     path = shared_tmp_path / "ck"
     checkpoint.save(path, model, optimizer)
-    victim = path / "__1_0.distcp"
+    victim = checkpoint.data_dir(path) / "__1_0.distcp"
 
     def flip() -> None:
         data = bytearray(victim.read_bytes())
@@ -166,7 +167,7 @@ def test_state_dicts_are_dtensors_with_global_shapes(strategy: str, dist_env: An
         for key in ("exp_avg", "exp_avg_sq"):
             assert isinstance(optimizer.state[p][key], DTensor)
     checkpoint.save(shared_tmp_path / "ck", model, optimizer)
-    metadata = FileSystemReader(shared_tmp_path / "ck").read_metadata()
+    metadata = FileSystemReader(checkpoint.data_dir(shared_tmp_path / "ck")).read_metadata()
     for name, shape in shapes.items():
         assert tuple(metadata.state_dict_metadata[f"model.{name}"].size) == shape
         assert tuple(metadata.state_dict_metadata[f"optim.{name}.exp_avg"].size) == shape

@@ -54,8 +54,6 @@ def test_mesh_dim_names_that_do_not_exist(dist_env) -> None:
         fully_shard(*_cnn_and_adam(), device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp")
     with pytest.raises(ValueError, match=r"dp_outer_dim='dp_outer' is not a dim"):
         fully_shard(*_cnn_and_adam(), device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer")
-    with pytest.raises(ValueError, match=r"dp_shard_dim='dp' given without a device_mesh"):
-        fully_shard(*_cnn_and_adam(), dp_shard_dim="dp")
 
 
 def test_mesh_that_does_not_match_the_world(dist_env) -> None:

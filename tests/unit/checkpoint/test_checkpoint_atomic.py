@@ -13,12 +13,18 @@ from fsdp_impl import checkpoint
 from fsdp_impl.checkpoint import CheckpointWriteError
 
 
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every entry under ``root`` (relative path -> file bytes, ``None`` for a directory)."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
 def test_save_leaves_only_the_checkpoint(tmp_path: Path) -> None:
     t = make_trainer(seed=0)
     checkpoint.save(tmp_path / "ck", t.model, t.optimizer)
     assert os.listdir(tmp_path) == ["ck"]
-    names = sorted(os.listdir(tmp_path / "ck"))
-    assert names[:2] == [".metadata", "__0_0.distcp"] and names[2:] == ["extra.pt", "manifest.json"]
+    data = checkpoint.data_dir(tmp_path / "ck")
+    assert sorted(os.listdir(tmp_path / "ck")) == [data.name, "manifest.json"]
+    assert sorted(os.listdir(data)) == [".metadata", "__0_0.distcp", "extra.pt"]
 
 
 def test_save_into_existing_empty_directory(tmp_path: Path) -> None:
@@ -33,7 +39,8 @@ def test_overwrite_replaces_previous_checkpoint(tmp_path: Path) -> None:
     checkpoint.save(tmp_path / "ck", t.model, t.optimizer, extra={"v": 1})
     t.step(0)
     checkpoint.save(tmp_path / "ck", t.model, t.optimizer, extra={"v": 2})
-    assert os.listdir(tmp_path) == ["ck"]  # the old one was moved aside and then deleted
+    assert os.listdir(tmp_path) == ["ck"]
+    assert len(os.listdir(tmp_path / "ck")) == 2  # the superseded data directory was removed
     fresh = make_trainer(seed=3)
     assert checkpoint.load(tmp_path / "ck", fresh.model, fresh.optimizer) == {"v": 2}
     assert all(float(s["step"]) == 1.0 for s in fresh.optimizer.state.values())
@@ -42,28 +49,28 @@ def test_overwrite_replaces_previous_checkpoint(tmp_path: Path) -> None:
 def test_failed_save_keeps_previous_checkpoint_and_cleans_up(tmp_path: Path) -> None:
     t = make_trainer(seed=0)
     checkpoint.save(tmp_path / "ck", t.model, t.optimizer, extra={"v": 1})
-    before = {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()}
+    before = _tree(tmp_path / "ck")
     t.step(0)
     with pytest.raises(CheckpointWriteError, match="writing extra.pt"):
         checkpoint.save(tmp_path / "ck", t.model, t.optimizer, extra={"bad": lambda: 0})  # unpicklable
-    assert os.listdir(tmp_path) == ["ck"]  # no temporary directory left behind
-    assert {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()} == before
+    assert os.listdir(tmp_path) == ["ck"]
+    assert _tree(tmp_path / "ck") == before  # no new data directory left behind
     fresh = make_trainer(seed=3)
     assert checkpoint.load(tmp_path / "ck", fresh.model, fresh.optimizer) == {"v": 1}
 
 
 def test_crash_between_data_and_publish_keeps_previous_checkpoint(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Simulate a crash right before the rename: the old checkpoint must stay loadable."""
-    from fsdp_impl.checkpoint import _files
+    """Simulate a failure right before the commit: the old checkpoint must stay loadable."""
+    from fsdp_impl.checkpoint import _layout
 
     t = make_trainer(seed=0)
     checkpoint.save(tmp_path / "ck", t.model, t.optimizer, extra={"v": 1})
 
-    def crash(tmp: Path, path: Path) -> None:
+    def crash(path: Path, data: Path, manifest: dict) -> None:
         raise OSError("simulated crash before rename")
 
-    monkeypatch.setattr(_files, "publish", crash)
+    monkeypatch.setattr(_layout, "commit", crash)
     t.step(0)
     with pytest.raises(CheckpointWriteError, match="simulated crash before rename"):
         checkpoint.save(tmp_path / "ck", t.model, t.optimizer, extra={"v": 2})
@@ -73,27 +80,22 @@ def test_crash_between_data_and_publish_keeps_previous_checkpoint(tmp_path: Path
     assert len(fresh.optimizer.state) == 0  # the v1 checkpoint was taken before any step
 
 
-def test_publish_restores_old_checkpoint_if_rename_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsdp_impl.checkpoint import _files
-
-    old = tmp_path / "ck"
-    old.mkdir()
-    (old / "manifest.json").write_text("{}")
-    new = tmp_path / "ck.tmp-x"
-    new.mkdir()
-    real_rename = os.rename
+def test_failed_commit_keeps_old_checkpoint_and_removes_new_data(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    t = make_trainer(seed=0)
+    checkpoint.save(tmp_path / "ck", t.model, t.optimizer, extra={"v": 1})
+    before = _tree(tmp_path / "ck")
 
     def flaky(src: os.PathLike, dst: os.PathLike) -> None:
-        if Path(src) == new:
-            raise OSError("disk went away")
-        real_rename(src, dst)
+        raise OSError("disk went away")
 
-    monkeypatch.setattr(os, "rename", flaky)
-    with pytest.raises(OSError, match="disk went away"):
-        _files.publish(new, old)
+    monkeypatch.setattr(os, "replace", flaky)
+    with pytest.raises(CheckpointWriteError, match="disk went away"):
+        checkpoint.save(tmp_path / "ck", t.model, t.optimizer, extra={"v": 2})
     monkeypatch.undo()
-    assert (old / "manifest.json").read_text() == "{}"
-    assert sorted(os.listdir(tmp_path)) == ["ck", "ck.tmp-x"]
+    assert _tree(tmp_path / "ck") == before  # neither the new data nor a manifest temp file stays
+    fresh = make_trainer(seed=3)
+    assert checkpoint.load(tmp_path / "ck", fresh.model, fresh.optimizer) == {"v": 1}
 
 
 def test_checkpoint_is_independent_of_torch_compile_prefix(tmp_path: Path) -> None:

@@ -81,7 +81,7 @@ def test_path_is_a_file(tmp_path: Path) -> None:
 
 
 def _data_file(path: Path) -> Path:
-    return next(p for p in sorted(path.iterdir()) if p.suffix == ".distcp")
+    return next(p for p in sorted(checkpoint.data_dir(path).iterdir()) if p.suffix == ".distcp")
 
 
 def test_truncated_data_file_is_named(saved: Path) -> None:
@@ -105,7 +105,7 @@ def test_altered_data_file_is_named(saved: Path) -> None:
 
 
 def test_deleted_file_is_named(saved: Path) -> None:
-    (saved / "extra.pt").unlink()
+    (checkpoint.data_dir(saved) / "extra.pt").unlink()
     t = _fresh()
     with pytest.raises(CheckpointCorruptedError, match=r"extra.pt is missing"):
         checkpoint.load(saved, t.model, t.optimizer)
@@ -176,7 +176,7 @@ def test_different_param_groups_are_reported(saved: Path) -> None:
     m = TinyNet()
     groups = [{"params": [m.fc1.weight, m.fc1.bias]}, {"params": [m.fc2.weight, m.fc2.bias], "lr": 0.1}]
     with pytest.raises(CheckpointMismatchError, match=r"optimizer has 2 param group\(s\) but the checkpoint has 1"):
-        checkpoint.load(saved, m, torch.optim.Adam(groups))
+        checkpoint.load(saved, m, torch.optim.AdamW(groups))
 
 
 def test_group_membership_difference_is_reported(tmp_path: Path) -> None:
@@ -204,7 +204,7 @@ def test_newer_format_version_is_refused(saved: Path) -> None:
     data["version"] = 99
     manifest.write_text(json.dumps(data))
     t = _fresh()
-    with pytest.raises(CheckpointCorruptedError, match="format version 99; this code reads version 1"):
+    with pytest.raises(CheckpointCorruptedError, match="format version 99; this code reads versions 1 and 2"):
         checkpoint.load(saved, t.model, t.optimizer)
 
 
