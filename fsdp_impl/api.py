@@ -20,6 +20,7 @@ from .device import CommStreams, pick_device
 from .discovery import UnitSpec, assign_params, find_unit_modules, resolve_unit_classes
 from .engine import FSDPEngine
 from .grad_reduce import OuterGradReducer, two_level_groups
+from .graph_mode import check_cuda_graph_mode, check_optimizer_capturable
 from .hooks import register_hooks
 from .mesh import DistIndex, build_mesh, submesh
 from .meta_init import materialise, sync_rng_from_rank0
@@ -28,7 +29,8 @@ from .optimizer_binding import ENGINE_REF_ATTR, attach_engines, remap_optimizer_
 from .parallel_dims import ParallelDims, attach_tp_specs, resolve_parallel_dims
 from .param import ManagedParam
 from .policy import MixedPrecisionPolicy, ShardingStrategy, parse_strategy
-from .unit import FSDPUnit, UnitContext
+from .unit import FSDPUnit, UnitContext, attach_unshard_pool
+from .unshard_storage import UnshardStorage
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +68,6 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_
     if outer == ShardingStrategy.OPTIM and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(f"outer_dp_sharding_strategy='optim'/1 requires zero_dp_strategy="
                          f"'optim_grads_params'/3, got zero_dp_strategy={strategy.name.lower()!r}/{int(strategy)}")
-    if flags["cuda_graph_mode"]:
-        raise _not_implemented("cuda_graph_mode=True", "capturing the FSDP hooks and collectives in CUDA graphs",
-                               "pass cuda_graph_mode=False")
     if flags["keep_fp8_transpose_cache"]:
         raise _not_implemented("keep_fp8_transpose_cache=True (FP8 parameters)",
                                "keeping an FP8 transpose cache of the sharded params",
@@ -128,6 +127,9 @@ def fully_shard_model(
     mesh, shard_mesh = build_mesh(device_mesh, dp_shard_dim)
     _validate(module, mesh, dp_outer_dim, tp_dim, strategy, outer, init_model_with_meta_device,
               mixed_precision_policy, flags)
+    unshard = UnshardStorage()  # ZeRO-3 unshard storage (fsdp_impl.unshard_storage)
+    unshard = (check_cuda_graph_mode(mesh.device_type, report_nan_in_param_grad, unshard) if cuda_graph_mode
+               else unshard.resolve(False))
     dims = resolve_parallel_dims(mesh, shard_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group,
                                  strategy, outer)
     shard_mesh = dims.shard_mesh  # HFSDP: the hybrid group; else the dp_shard_dim sub-mesh
@@ -138,14 +140,15 @@ def fully_shard_model(
     device = pick_device(mesh)
     ctx = UnitContext(strategy=strategy, shard_mesh=shard_mesh, group=group, plan=dims.plan,
                       rank=dist.get_rank(group), world=dist.get_world_size(group), device=device,
-                      policy=mixed_precision_policy, streams=CommStreams(device),
-                      two_level=two_level_groups(dims, device))
+                      policy=mixed_precision_policy, streams=CommStreams(device, record_streams=not cuda_graph_mode),
+                      two_level=two_level_groups(dims, device), graph_mode=cuda_graph_mode, unshard=unshard)
     names = [name for name, _ in found] + [""]
     all_units = [FSDPUnit(name or "<root>", group, ctx) for name, group in zip(names, groups, strict=True)]
     unit_modules = [m for _, m in found]
     _shard_units(module, all_units, unit_modules, groups, ctx, init_model_with_meta_device)
     keep = [i for i, u in enumerate(all_units[:-1]) if u.params]  # units whose params all went to root
     units = [all_units[i] for i in keep] + [all_units[-1]]
+    attach_unshard_pool(units[:-1], ctx)  # ZeRO-3 + POOL only; the root keeps its own storage
     outer_reducer = OuterGradReducer(dims.hsdp_reduce_group) if dims.hsdp_reduce_group is not None else None
     engine = FSDPEngine(units, all_units[-1], ctx, sync_model_each_microbatch, use_decoupled_grad,
                         report_nan_in_param_grad, outer_reducer)
@@ -201,6 +204,8 @@ def fully_shard(module: nn.Module, optimizer: torch.optim.Optimizer, **kwargs: A
                                      "optimizer's params must be the model's")
     _check_bool("use_decoupled_grad", kwargs.get("use_decoupled_grad", False))  # fail before wrapping
     check_decoupled_grad_consistency(kwargs.get("use_decoupled_grad", False), optimizer)
+    if kwargs.get("cuda_graph_mode") is True:
+        check_optimizer_capturable(optimizer)
     model = fully_shard_model(module, **kwargs)
     remap_optimizer_params(optimizer, _param_mapping(model))
     return model, fully_shard_optimizer(optimizer)
