@@ -69,3 +69,8 @@ def attach_engines(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine]) 
     assert isinstance(optimizer, _FSDPOptimizerMixin)
     optimizer._fsdp_engines = list(engines)
     return optimizer
+
+
+def bound_engines(optimizer: torch.optim.Optimizer) -> list[FSDPEngine]:
+    """The engines whose buffers ``optimizer.zero_grad`` resets (empty if it is not bound)."""
+    return list(optimizer._fsdp_engines) if isinstance(optimizer, _FSDPOptimizerMixin) else []
