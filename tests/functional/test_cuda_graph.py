@@ -19,7 +19,8 @@ and the optimizer's step counter equals warm-ups + replays.
 
 Matrix: ZeRO {1, 2, 3} x {fp32, bf16 compute with fp32 main params} x scope {full, fwd_bwd}, on 1
 GPU (plain FSDP) and 2 GPUs (plain FSDP and HSDP over a (dp_outer=2, dp_shard=1) mesh); plus ZeRO-3
-with the 2-slot unshard pool, HFSDP, torch SGD, and the ``zero_grad(set_to_none=True)`` regression.
+with the 2-slot unshard pool, HFSDP, torch SGD, and the ``zero_grad(set_to_none=True)`` regression;
+and graph mode's eager path against the normal engine on real streams.
 Single-process captures (optimizers alone) run forked, so a capture that kills the process fails
 one test. The h200 L0 tier runs the 2-GPU cases (``-k world2``).
 """
@@ -206,6 +207,28 @@ def test_replay_matches_eager_world2(case: GraphCase, scope: str, dist_env) -> N
 def test_replay_variants_world2(case: GraphCase, scope: str, pool: bool, dist_env) -> None:
     """HFSDP (outer 'optim': two-level grad reduction), the unshard pool, torch SGD."""
     check_replay_matches_eager(case, scope, dist_env.device, pool)
+
+
+@pytest.mark.distributed(world_size=2, timeout=600)
+@pytest.mark.parametrize("case", [GraphCase(1), GraphCase(2, "no_shard"), GraphCase(3),
+                                  GraphCase(3, dtype=torch.bfloat16)], ids=_ids)
+def test_graph_mode_eager_matches_normal_mode_world2(case: GraphCase, dist_env) -> None:
+    """Graph mode's eager path (persistent buffers, no record_stream, refresh every forward) trains
+    like the normal engine on real streams: a cross-stream reuse race would show here."""
+    device = dist_env.device
+    results = []
+    for graph_mode in (False, True):
+        model, opt = wrap(case, device, graph_mode=graph_mode)
+        step_fn = make_step_fn(model)
+        losses = []
+        for k in range(STEPS):
+            opt.zero_grad(set_to_none=False)
+            losses.append(step_fn(*batch(k, device, case.dtype)).detach().clone())
+            opt.step()
+        results.append((losses, full_params(model)))
+    (ref_losses, ref_params), (losses, params) = results
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True)), (losses, ref_losses)
+    assert_params_equal(params, ref_params, "graph-mode eager vs normal eager")
 
 
 # ------------------------------------------------------------------ single process (forked)
