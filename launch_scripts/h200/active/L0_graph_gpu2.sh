@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU_COUNT=2
 # CI_TIMEOUT=20
-# Tier L0 (every change): CUDA-graph replay on 2 ranks (plain FSDP, HSDP, HFSDP, unshard pool, SGD).
+# Tier L0 (every change): CUDA-graph replay on 2 ranks (plain FSDP, HSDP, HFSDP, unshard pool, SGD), not slow.
 # Generation h200: 2 GPUs, one NCCL rank each; xdist workers: 1 (the selection is one 2-rank bucket,
 # which a second worker could not share).
 set -euo pipefail
