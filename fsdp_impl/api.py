@@ -24,6 +24,7 @@ from .discovery import UnitSpec, assign_params, find_unit_modules, resolve_unit_
 from .engine import FSDPEngine
 from .expert import is_expert_param, resolve_expert_dims
 from .grad_reduce import GradScaling
+from .graph_mode import check_cuda_graph_mode, check_optimizer_capturable
 from .hooks import register_hooks
 from .mesh import DistIndex, build_mesh, submesh
 from .module import FullyShardedModule
@@ -31,7 +32,8 @@ from .optimizer_binding import ENGINE_REF_ATTR, attach_engines, remap_optimizer_
 from .options import WrapOptions, resolve_device
 from .parallel_dims import ParallelDims, check_gather_group, resolve_parallel_dims
 from .policy import MixedPrecisionPolicy, ShardingStrategy, parse_strategy
-from .unit import UnitContext
+from .unit import attach_unshard_pool
+from .unshard_storage import UnshardStorage
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +87,6 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_
     if outer == ShardingStrategy.OPTIM and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(f"outer_dp_sharding_strategy='optim'/1 requires zero_dp_strategy="
                          f"'optim_grads_params'/3, got zero_dp_strategy={strategy.name.lower()!r}/{int(strategy)}")
-    if flags["cuda_graph_mode"]:
-        raise _not_implemented("cuda_graph_mode=True", "capturing the FSDP hooks and collectives in CUDA graphs",
-                               "pass cuda_graph_mode=False")
     if flags["keep_fp8_transpose_cache"]:
         raise _not_implemented("keep_fp8_transpose_cache=True (FP8 parameters)",
                                "keeping an FP8 transpose cache of the sharded params",
@@ -96,29 +95,6 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_
         raise ValueError("init_model_with_meta_device=True is not supported with zero_dp_strategy="
                          "'no_shard'/0 (every rank would hold the whole model anyway); allowed "
                          "strategies: 'optim'/1, 'optim_grads'/2, 'optim_grads_params'/3")
-
-
-def _check_unshard_pool(options: WrapOptions, strategy: ShardingStrategy) -> None:
-    """fsdp_double_buffer / maxpool_double_buffer: ZeRO-3 units gather into a fixed pool sized
-    for the largest unit (ZeRO-0/1/2 compute params are persistent: nothing to pool).
-
-    TODO(merge: unshard pool): the engine's pooled unshard storage is connected in
-    ``_use_unshard_pool`` below; once it is, delete this refusal."""
-    if options.unshard_pool and strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
-        which = "fsdp_double_buffer" if options.fsdp_double_buffer else "maxpool_double_buffer"
-        raise _not_implemented(f"{which}=True", "gathering ZeRO-3 units into a fixed buffer pool",
-                               f"pass {which}=False")
-
-
-def _use_unshard_pool(units: list, ctx: UnitContext, options: WrapOptions, strategy: ShardingStrategy) -> None:
-    """Hook: move the non-root ZeRO-3 units' compute params into the fixed pool.
-
-    TODO(merge: unshard pool): connect to the engine's pooled unshard storage, e.g.
-        ctx.unshard = UnshardStorage.double_buffer(2)
-        attach_unshard_pool([u for u in units[:-1] if u.ctx is ctx], ctx)
-    (and the same for the expert context), then remove ``_check_unshard_pool``'s refusal."""
-    if options.unshard_pool and strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
-        raise AssertionError("unreachable until the unshard pool is connected (see _check_unshard_pool)")
 
 
 def _agreement_items(module: nn.Module, mesh: DeviceMesh, classes: tuple[type, ...],
@@ -207,7 +183,9 @@ def fully_shard_model(
     mesh, inner_mesh = build_mesh(device_mesh, dp_shard_dim, tp_dim)
     _validate(module, mesh, dp_outer_dim, tp_dim, strategy, outer, init_model_with_meta_device,
               mixed_precision_policy, flags)
-    _check_unshard_pool(options, strategy)
+    unshard = UnshardStorage.from_megatron_args(fsdp_double_buffer, maxpool_double_buffer)
+    unshard = (check_cuda_graph_mode(mesh.device_type, report_nan_in_param_grad, unshard) if cuda_graph_mode
+               else unshard.resolve(False))
     dims = resolve_parallel_dims(mesh, inner_mesh, dp_shard_dim, dp_outer_dim, tp_dim, hybrid_fsdp_group,
                                  strategy, outer)
     shard_dim = dp_shard_dim or (inner_mesh.mesh_dim_names or ("",))[0]
@@ -225,7 +203,7 @@ def fully_shard_model(
     if expert_dims is not None:
         experts = GroupSet(expert_dims, GradScaling(), expt_fsdp_group_ag)
         experts.scaling = _scaling(options, ordinary.dp_size, experts.dp_size)
-    return _assemble(module, classes, strategy, mixed_precision_policy, resolved_device, options, flags,
+    return _assemble(module, classes, strategy, mixed_precision_policy, resolved_device, options, flags, unshard,
                      ordinary, experts)
 
 
@@ -236,19 +214,24 @@ def _scaling(options: WrapOptions, dp_size: int, reduce_size: int) -> GradScalin
 
 def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], strategy: ShardingStrategy,
               policy: MixedPrecisionPolicy, device: torch.device, options: WrapOptions, flags: dict[str, bool],
-              ordinary: GroupSet, experts: GroupSet | None) -> FullyShardedModule:
+              unshard: UnshardStorage, ordinary: GroupSet, experts: GroupSet | None) -> FullyShardedModule:
     """Units, engine, hooks and wrapper (the arguments are checked and agreed on)."""
     found = find_unit_modules(module, classes)
     names = [name for name, _ in found] + [""]
     layout = split_units(names, [m for _, m in found] + [module], assign_params(module, names[:-1]),
                          ordinary.dims, experts.dims if experts is not None else None)
-    streams = CommStreams(device, options.overlap_param_gather, options.overlap_grad_reduce)
-    ctx = make_context(ordinary, strategy, policy, device, streams, options.overlap_param_gather)
-    expert_ctx = (make_context(experts, strategy, policy, device, streams, options.overlap_param_gather)
-                  if experts is not None else None)
+    graph_mode = flags["cuda_graph_mode"]
+    streams = CommStreams(device, options.overlap_param_gather, options.overlap_grad_reduce,
+                          record_streams=not graph_mode)
+    ctx = make_context(ordinary, strategy, policy, device, streams, options.overlap_param_gather, graph_mode,
+                       unshard)
+    expert_ctx = (make_context(experts, strategy, policy, device, streams, options.overlap_param_gather,
+                               graph_mode, unshard) if experts is not None else None)
     per_match, units, modules = build_units(layout, ctx, expert_ctx)
     shard_units(module, per_match, layout, device, flags["init_model_with_meta_device"])
-    _use_unshard_pool(units, ctx, options, strategy)
+    for context in (ctx, expert_ctx):  # ZeRO-3 + pool only: the non-root units of each group set
+        if context is not None:
+            attach_unshard_pool([u for u in units[:-1] if u.ctx is context], context)
     reducer = outer_reducer(units, ordinary.dims, experts.dims if experts is not None else None, expert_ctx,
                             ordinary.scaling)
     engine = FSDPEngine(units, units[-1], ctx, flags["sync_model_each_microbatch"], flags["use_decoupled_grad"],
@@ -347,6 +330,8 @@ def fully_shard(
     _check_bool("use_decoupled_grad", use_decoupled_grad)  # fail before wrapping
     _check_bool("preproc_state_dict_for_dcp_ckpt", preproc_state_dict_for_dcp_ckpt)
     check_decoupled_grad_consistency(use_decoupled_grad, optimizer)
+    if cuda_graph_mode is True:
+        check_optimizer_capturable(optimizer)
     model = fully_shard_model(module, **kwargs)
     remap_optimizer_params(optimizer, _param_mapping(model))
     return model, fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt)

@@ -21,6 +21,7 @@ from .parallel_dims import ParallelDims, attach_tp_specs
 from .param import ManagedParam
 from .policy import MixedPrecisionPolicy, ShardingStrategy
 from .unit import FSDPUnit, UnitContext
+from .unshard_storage import UnshardStorage
 
 EXPERT_SUFFIX = "[experts]"
 
@@ -43,14 +44,16 @@ class GroupSet:
 
 
 def make_context(groups: GroupSet, strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
-                 device: torch.device, streams: CommStreams, prefetch: bool) -> UnitContext:
+                 device: torch.device, streams: CommStreams, prefetch: bool, graph_mode: bool,
+                 unshard: UnshardStorage) -> UnitContext:
     """The context of the units over ``groups`` (``two_level_groups`` is a collective)."""
     group = groups.dims.shard_group or groups.dims.shard_mesh.get_group()
     return UnitContext(strategy=strategy, shard_mesh=groups.dims.shard_mesh, group=group,
                        plan=groups.dims.plan, rank=dist.get_rank(group), world=dist.get_world_size(group),
                        device=device, policy=policy, streams=streams,
                        two_level=two_level_groups(groups.dims, device), grad_scaling=groups.scaling,
-                       gather_group=groups.gather_group, prefetch=prefetch)
+                       gather_group=groups.gather_group, prefetch=prefetch, graph_mode=graph_mode,
+                       unshard=unshard)
 
 
 @dataclass

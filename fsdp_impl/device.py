@@ -44,10 +44,19 @@ class CommStream:
 
     ``use()`` makes the side stream current after waiting for the compute stream, so the
     collective sees finished inputs; ``record()`` returns an event the consumer waits on.
+
+    ``record_streams=False`` (CUDA-graph mode) turns ``keep_alive``/``used_by_current`` into
+    no-ops: cross-stream tensors are then kept safe without ``record_stream``. A tensor made on
+    the compute stream and used here is held by its owner until the compute stream waited for
+    this stream's event; a tensor made here (inside ``use()``) and consumed on the compute stream
+    may be dropped once the consumer is enqueued, because the allocator only hands its block to
+    later allocations on this stream, and every one of them happens inside ``use()``, after this
+    stream waited for everything the compute stream had enqueued, the consumer included.
     """
 
-    def __init__(self, device: torch.device, side: bool = True) -> None:
+    def __init__(self, device: torch.device, side: bool = True, record_streams: bool = True) -> None:
         self.device = device
+        self.record_streams = record_streams
         # side=False (fully_shard's overlap_* switches off): collectives run on the compute
         # stream, in order with the compute, exactly as on CPU.
         self._stream: torch.cuda.Stream | None = (
@@ -77,12 +86,12 @@ class CommStream:
     def keep_alive(self, tensor: torch.Tensor) -> None:
         """``tensor`` (made on the compute stream) was used on the side stream: keep its memory
         from being reused before the side stream is done with it."""
-        if self._stream is not None:
+        if self._stream is not None and self.record_streams:
             tensor.record_stream(self._stream)
 
     def used_by_current(self, tensor: torch.Tensor) -> None:
         """``tensor`` (made on the side stream) is consumed on the current stream."""
-        if self._stream is not None:
+        if self._stream is not None and self.record_streams:
             tensor.record_stream(torch.cuda.current_stream(self.device))
 
 
@@ -90,6 +99,7 @@ class CommStreams:
     """The two side streams of one model: parameter all-gathers and gradient reductions, so a
     reduce-scatter never waits behind the next unit's prefetched all-gather."""
 
-    def __init__(self, device: torch.device, overlap_gather: bool = True, overlap_reduce: bool = True) -> None:
-        self.gather = CommStream(device, overlap_gather)
-        self.reduce = CommStream(device, overlap_reduce)
+    def __init__(self, device: torch.device, overlap_gather: bool = True, overlap_reduce: bool = True,
+                 record_streams: bool = True) -> None:
+        self.gather = CommStream(device, overlap_gather, record_streams)
+        self.reduce = CommStream(device, overlap_reduce, record_streams)

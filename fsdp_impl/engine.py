@@ -46,9 +46,19 @@ class FSDPEngine:
     def comm_dtype(self, unit: FSDPUnit) -> torch.dtype:
         return self.comm_dtype_override or unit.dtypes.grad_comm
 
+    @property
+    def graph_mode(self) -> bool:
+        return self.ctx.graph_mode
+
     def _agree_on_stale_units(self) -> None:
         """ZeRO-1/2: decide which units' compute params need a refresh, identically on all ranks
-        (a rank-local version check alone could make ranks disagree on issuing an all-gather)."""
+        (a rank-local version check alone could make ranks disagree on issuing an all-gather).
+
+        CUDA-graph mode refreshes every unit on every forward instead: no version counters, no
+        collective, no host sync, so an eager step takes exactly the path a replay does."""
+        if self.ctx.graph_mode:
+            self._stale = dict.fromkeys(self.units, True)
+            return
         changed = [u.weights_changed() for u in self.units]
         if self.ctx.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
             flags = torch.tensor(changed, dtype=torch.int32, device=self.ctx.device)
@@ -109,7 +119,7 @@ class FSDPEngine:
         self._ensure_callback()
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
             with record_function("FSDP::pre_backward"):
-                unit.unshard()
+                unit.unshard(backward=True)
                 self._prefetch_after(unit, self._order, -1)
 
     @staticmethod
@@ -170,6 +180,11 @@ class FSDPEngine:
         return [n for n, f in zip(names, flags.tolist(), strict=True) if f]
 
     def zero_grad_buffers(self, free: bool = False) -> None:
+        if free and self.ctx.graph_mode:
+            raise ValueError(
+                "zero_grad(set_to_none=True) is not allowed with cuda_graph_mode=True: it would drop the "
+                ".grad views of the gradient buffer that a captured graph writes into, so replays would "
+                "silently stop delivering gradients to the optimizer; call zero_grad(set_to_none=False)")
         for unit in self.units:
             unit.zero_grad_buffers(free)
 

@@ -10,6 +10,7 @@ import torch
 
 from .decoupled import clear_grads
 from .engine import FSDPEngine
+from .graph_mode import USER_CLASS_ATTR, check_optimizer_capturable
 
 # Attribute on each sharded param: a weakref to its model's engine, so an optimizer built on
 # ``model.parameters()`` can find the engines whose buffers its ``zero_grad`` must reset.
@@ -53,14 +54,23 @@ class _FSDPOptimizerMixin(torch.optim.Optimizer):
 
 
 def attach_engines(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine]) -> torch.optim.Optimizer:
-    """Give ``optimizer`` the FSDP ``zero_grad`` (idempotent; several models may share one)."""
+    """Give ``optimizer`` the FSDP ``zero_grad`` (idempotent; several models may share one).
+    A CUDA-graph-mode model's optimizer must be capturable (checked before anything changes)."""
+    if any(engine.graph_mode for engine in engines):
+        check_optimizer_capturable(optimizer)
     if isinstance(optimizer, _FSDPOptimizerMixin):
         for engine in engines:
             if all(engine is not e for e in optimizer._fsdp_engines):
                 optimizer._fsdp_engines.append(engine)
         return optimizer
     cls = type(optimizer)
-    optimizer.__class__ = type(f"FSDP{cls.__name__}", (_FSDPOptimizerMixin, cls), {"__module__": cls.__module__})
+    optimizer.__class__ = type(f"FSDP{cls.__name__}", (_FSDPOptimizerMixin, cls),
+                               {"__module__": cls.__module__, USER_CLASS_ATTR: cls})
     assert isinstance(optimizer, _FSDPOptimizerMixin)
     optimizer._fsdp_engines = list(engines)
     return optimizer
+
+
+def bound_engines(optimizer: torch.optim.Optimizer) -> list[FSDPEngine]:
+    """The engines whose buffers ``optimizer.zero_grad`` resets (empty if it is not bound)."""
+    return list(optimizer._fsdp_engines) if isinstance(optimizer, _FSDPOptimizerMixin) else []

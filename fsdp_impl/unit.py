@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -17,13 +17,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import comm
 from .buffers import DataParallelBuffer, ParameterGroup
-from .decoupled import grad_attr_name
+from .decoupled import grad_attr_name, local_tensor
 from .device import CommStreams
 from .grad_reduce import GradScaling, TwoLevelGroups, UnitGradReduce, unit_grad_reduce
+from .grad_staging import GradStaging
 from .param import ManagedParam
 from .placement import PlacementPlan
 from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
 from .sharding import FlatLayout, shard_row_range
+from .unshard_storage import UnitStorage, UnshardPool, UnshardStorage, UnshardStorageKind, build_pool, unit_storage
 
 
 @contextlib.contextmanager
@@ -69,6 +71,10 @@ class UnitContext:
     grad_scaling: GradScaling = GradScaling()
     gather_group: dist.ProcessGroup | None = None
     prefetch: bool = True
+    # CUDA-graph mode: persistent engine buffers, every step takes the same host-side path.
+    graph_mode: bool = False
+    # How ZeRO-3 compute params are stored while unsharded (resolved: never AUTO).
+    unshard: UnshardStorage = field(default_factory=lambda: UnshardStorage().resolve(False))
 
     @property
     def num_shards(self) -> int:
@@ -107,8 +113,11 @@ class FSDPUnit:
             ctx.device, self.dtypes.main_grads, ctx.grad_scaling)
         self.group = ParameterGroup(name, self.weight, self.grad,
                                     ctx.policy.main_params_dtype is not None)
-        self._accumulator: torch.Tensor | None = None  # ZeRO-0/1 full-size unsynced grads
-        self._pending: torch.Tensor | None = None  # ZeRO-2/3 this backward's grads
+        self.staging: GradStaging | None = None  # grads awaiting reduction (None: nothing trainable)
+        if self.grad is not None:
+            self.staging = GradStaging(self.grad.layout.total_numel, self.dtypes.main_grads, ctx.device,
+                                       persistent=ctx.graph_mode)
+        self.storage: UnitStorage = unit_storage(ctx.unshard.standalone_kind(ctx.graph_mode), [])
         self._ready = 0
         self._gather: _Gather | None = None  # a prefetched all-gather not yet consumed
         self.reduce_event: torch.cuda.Event | None = None  # CUDA: marks the last grad reduction done
@@ -130,8 +139,13 @@ class FSDPUnit:
                                          requires_grad=p.requires_grad)
                 p.make_unsharded(self.dtypes.compute, self.ctx.device)
                 p.set_on_module(p.sharded)
+        self.storage = unit_storage(self.ctx.unshard.standalone_kind(self.ctx.graph_mode), self.compute_tensors())
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
-            self._free_unsharded()
+            self.storage.on_reshard(self)
+
+    def compute_tensors(self) -> list[torch.Tensor]:
+        """The plain tensors holding the compute values (what the unshard storage manages)."""
+        return [p.compute_local() for p in self.params]
 
     # ------------------------------------------------------------ compute params
     def version_signature(self) -> int:
@@ -153,20 +167,25 @@ class FSDPUnit:
         """True when the main weights changed since the compute params were last built."""
         return self.version_signature() != self.synced_version
 
-    def unshard(self) -> None:
+    def unshard(self, backward: bool = False) -> None:
         """Make the full compute params valid (ZeRO-3: allocate and all-gather, or finish a
-        prefetched all-gather)."""
+        prefetched all-gather; ``backward``: called from the pre-backward)."""
         if self.is_unsharded:
             return
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
             if self._gather is None:
                 self.prefetch()
             if self._gather is not None:
+                self.storage.on_unshard(self, backward)
                 self._finish_gather(self._gather)
                 self._gather = None
         else:
             self.refresh()
         self.is_unsharded = True
+
+    def evict(self) -> None:
+        """An unshard-storage pool gave this unit's slot to another unit (see unshard_storage)."""
+        self.is_unsharded = False
 
     def prefetch(self) -> None:
         """ZeRO-3: allocate the compute storage and start the all-gather (on the gather stream
@@ -174,11 +193,7 @@ class FSDPUnit:
         if (self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS or self.is_unsharded
                 or self._gather is not None or not self.params):
             return
-        for p in self.params:
-            storage = p.compute_local().untyped_storage()
-            need = p.compute_local().numel() * p.compute_local().element_size()
-            if storage.size() != need:
-                storage.resize_(need)
+        self.storage.on_gather_start()
         self._gather = self._start_gather()
 
     def refresh(self) -> None:
@@ -224,14 +239,10 @@ class FSDPUnit:
         if self._gather is not None:  # prefetched but never used
             self.ctx.streams.gather.wait(self._gather.event)
             self._gather = None
-            self._free_unsharded()
+            self.storage.on_reshard(self)
         if self.is_unsharded:
-            self._free_unsharded()
+            self.storage.on_reshard(self)
             self.is_unsharded = False
-
-    def _free_unsharded(self) -> None:
-        for p in self.params:
-            p.compute_local().untyped_storage().resize_(0)
 
     def swap_in(self) -> None:
         for p in self.params:
@@ -251,12 +262,11 @@ class FSDPUnit:
         if grad is None:
             return False
         layout = self._grad_buffer().layout
+        staging = self._staging()
         if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
-            if self._pending is None:
-                self._pending = torch.zeros(layout.total_numel, dtype=comm_dtype, device=self.ctx.device)
-            layout.pack_full(self._pending, p.grad_slot, grad)
+            layout.pack_full(staging.pending(comm_dtype), p.grad_slot, grad)
         else:
-            layout.pack_full(self._full_accumulator(), p.grad_slot, grad, accumulate=True)
+            layout.pack_full(staging.accumulator(), p.grad_slot, grad, accumulate=True)
         self._ready += 1
         return self._ready == len(self.trainable)
 
@@ -266,11 +276,10 @@ class FSDPUnit:
             raise RuntimeError(f"FSDP unit {self.name!r} has no trainable params, hence no grad buffer")
         return self.grad
 
-    def _full_accumulator(self) -> torch.Tensor:
-        if self._accumulator is None:
-            self._accumulator = torch.zeros(self._grad_buffer().layout.total_numel,
-                                            dtype=self.dtypes.main_grads, device=self.ctx.device)
-        return self._accumulator
+    def _staging(self) -> GradStaging:
+        if self.staging is None:
+            raise RuntimeError(f"FSDP unit {self.name!r} has no trainable params, hence no grad staging")
+        return self.staging
 
     def reduce_grads(self, sync: bool, comm_dtype: torch.dtype) -> None:
         """Once per backward: ZeRO-2/3 reduce-scatter now; ZeRO-0/1 only on the sync step."""
@@ -279,13 +288,9 @@ class FSDPUnit:
             return
         self.post_backward_done = True
         if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
-            full = self._pending
-            if full is None:  # no grad arrived: still join the collective with zeros
-                full = torch.zeros(self.grad.layout.total_numel, dtype=comm_dtype, device=self.ctx.device)
-            self._pending = None
+            full = self._staging().take_pending(comm_dtype)  # zeros if no grad arrived: still join
         elif sync:
-            full = self._full_accumulator().to(comm_dtype)
-            self._accumulator = None  # full-size: only held while a cycle accumulates
+            full = self._staging().take_accumulated(comm_dtype)
         else:
             return
         self.reduce_event = self.reducer.reduce(full, self.grad, sync)
@@ -294,6 +299,8 @@ class FSDPUnit:
         """Reset the per-backward counters; the compute stream waits for this unit's reduction."""
         self.ctx.streams.reduce.wait(self.reduce_event)
         self.reduce_event = None
+        if self.staging is not None:
+            self.staging.end_backward()
         self._ready = 0
         self.post_backward_done = False
 
@@ -301,7 +308,8 @@ class FSDPUnit:
         """Expose the main-grad shards on the DTensor params (``.grad`` or ``.decoupled_grad``).
 
         Same dtype: a persistent DTensor view of the grad buffer. Different dtype (e.g. fp32 grads
-        for bf16 main params): a cast copy, because torch requires ``grad.dtype == param.dtype``.
+        for bf16 main params): a cast copy, because torch requires ``grad.dtype == param.dtype``;
+        under CUDA-graph mode the copy is persistent too (re-filled in place on each install).
         """
         if self.grad is None:
             return
@@ -309,15 +317,16 @@ class FSDPUnit:
         attr = grad_attr_name(decoupled)
         for p in self.trainable:
             i, sharded = p.grad_slot, p.sharded
-            current = getattr(sharded, attr, None)
-            if current is not None and current is self._grad_cache[i]:
-                continue
+            current, cached = getattr(sharded, attr, None), self._grad_cache[i]
             local = self.grad.local_view(i)
-            if decoupled or local.dtype == sharded.dtype:
-                g = self.ctx.plan.wrap(local, p.tp, p.shape)
+            is_view = decoupled or local.dtype == sharded.dtype
+            if current is not None and current is cached:
+                if not is_view:
+                    local_tensor(cached).copy_(local)
+                continue
+            g = self.ctx.plan.wrap(local if is_view else local.to(sharded.dtype), p.tp, p.shape)
+            if is_view or self.ctx.graph_mode:
                 self._grad_cache[i] = g
-            else:
-                g = self.ctx.plan.wrap(local.to(sharded.dtype), p.tp, p.shape)
             setattr(sharded, attr, g)
 
     def zero_grad_buffers(self, free: bool = False) -> None:
@@ -331,7 +340,8 @@ class FSDPUnit:
                 self._grad_cache = [None] * len(self.trainable)
             elif self.grad.is_allocated:
                 self.grad.data.zero_()
-        self._accumulator = None
+        if self.staging is not None:
+            self.staging.clear()
         self.reducer.clear()
 
     def nan_grad_flags(self) -> list[torch.Tensor]:
@@ -340,3 +350,17 @@ class FSDPUnit:
             return []
         grad = self._grad_buffer()
         return [torch.isnan(grad.local_view(p.grad_slot)).any().to(torch.int32) for p in self.trainable]
+
+
+def attach_unshard_pool(units: list[FSDPUnit], ctx: UnitContext) -> UnshardPool | None:
+    """ZeRO-3 with the POOL unshard storage: make the compute params of ``units`` (the non-root
+    units, engine order) views into a shared pool; otherwise leave every unit's own storage."""
+    if ctx.unshard.kind != UnshardStorageKind.POOL or ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        return None
+    pooled = [u for u in units if u.params]
+    if not pooled:
+        return None
+    pool, storages = build_pool([u.compute_tensors() for u in pooled], ctx.unshard.slots, ctx.device)
+    for unit, storage in zip(pooled, storages, strict=True):
+        unit.storage = storage
+    return pool

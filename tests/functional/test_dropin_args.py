@@ -139,13 +139,21 @@ def test_switches_without_numerical_effect_here(kwargs: dict, dist_env: Any) -> 
     assert [u.name for u in fsdp._fsdp_engine.units] == [u.name for u in ref._fsdp_engine.units]
 
 
+@pytest.mark.parametrize("flag", ["fsdp_double_buffer", "maxpool_double_buffer"])
+def test_double_buffer_pools_zero3_units_with_identical_training(flag: str, dist_env: Any) -> None:
+    """ZeRO-3 units gather into a 2-slot pool (fixed storage shared by the units) and train exactly
+    like per-unit storage: the pool only changes where the compute params live."""
+    baseline, _ = _losses(dist_env, fsdp_unit_modules=UNITS, zero_dp_strategy=3)
+    losses, fsdp = _losses(dist_env, fsdp_unit_modules=UNITS, zero_dp_strategy=3, **{flag: True})
+    assert losses == baseline
+    pooled = [type(u.storage).__name__ for u in fsdp._fsdp_engine.units[:-1] if u.params]
+    assert pooled and set(pooled) == {"PooledStorage"}, pooled
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(nccl_ub=True), r"nccl_ub=True \(NCCL user-buffer registration of the FSDP buffers\) is not supported"),
     (dict(enable_fine_grained_param_gather=True), r"enable_fine_grained_param_gather=True is not supported: a "
                                                   r"unit's params are gathered together"),
-    # TODO(merge: unshard pool): these become parity tests once the ZeRO-3 pool is connected.
-    (dict(fsdp_double_buffer=True), r"fsdp_double_buffer=True is not implemented yet"),
-    (dict(maxpool_double_buffer=True), r"maxpool_double_buffer=True is not implemented yet"),
 ])
 def test_unsupported_switches_name_what_is_missing(kwargs: dict, match: str, dist_env: Any) -> None:
     with pytest.raises(NotImplementedError, match=match):

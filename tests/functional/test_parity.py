@@ -39,6 +39,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_impl.grad_reduce import GradScaling
 from tests.functional.common.models import build_model
 from tests.functional.common.numerics import assert_losses_close, max_loss_error, max_relative_error
 from tests.functional.common.reference import OPTIMIZERS, train_reference
@@ -122,7 +123,9 @@ def test_parity_world4(case: Case, dist_env) -> None:
 class _SumInsteadOfAverage:
     """Within the block, every averaging all-reduce / reduce-scatter the engine issues sums
     instead: the wrong-reduction mutant the parity check must catch. Like ``CollectiveCounter``
-    it replaces the ``torch.distributed`` functions (looked up at call time) and restores them."""
+    it replaces the ``torch.distributed`` functions (looked up at call time) and restores them.
+    The engine's default averages by pre-dividing and then summing (Megatron-FSDP's
+    divide-then-SUM), so the mutant also drops that pre-division."""
 
     OPS = {"all_reduce": 1, "reduce_scatter_tensor": 2}  # op name -> position of its ``op`` argument
 
@@ -144,16 +147,28 @@ class _SumInsteadOfAverage:
 
         return summing
 
+    def _skip_pre_division(self) -> Callable[..., Any]:
+        def prepare(scaling: GradScaling, full: torch.Tensor) -> None:
+            if scaling.pre_scale is not None and scaling.pre_scale < 1.0:
+                self.replaced += 1
+                return
+            self._saved_prepare(scaling, full)
+
+        return prepare
+
     def __enter__(self) -> _SumInsteadOfAverage:
         for name in self.OPS:
             self._saved[name] = getattr(dist, name)
             setattr(dist, name, self._wrap(name))
+        self._saved_prepare = GradScaling.prepare
+        GradScaling.prepare = self._skip_pre_division()  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for name, fn in self._saved.items():
             setattr(dist, name, fn)
         self._saved.clear()
+        GradScaling.prepare = self._saved_prepare  # type: ignore[method-assign]
 
 
 @pytest.mark.distributed(world_size=2, timeout=600)

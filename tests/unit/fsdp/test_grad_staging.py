@@ -1,0 +1,66 @@
+"""GradStaging: transient buffers behave as the engine always did; persistent ones (CUDA-graph
+mode) keep their addresses, are zeroed in place before reuse and hold reducer inputs until the
+end of backward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_impl.grad_staging import GradStaging
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_pending_collects_one_backward(persistent: bool) -> None:
+    s = GradStaging(4, torch.float32, CPU, persistent)
+    s.pending(torch.float32)[:2] = 1.0
+    first = s.take_pending(torch.float32)
+    assert first.tolist() == [1.0, 1.0, 0.0, 0.0]
+    s.pending(torch.float32)[2:] = 2.0  # next backward: the first one's grads are gone
+    second = s.take_pending(torch.float32)
+    assert second.tolist() == [0.0, 0.0, 2.0, 2.0]
+    assert (second is first) == persistent
+    # a backward in which no grad arrived still hands zeros to the (collective) reduction
+    assert s.take_pending(torch.float32).tolist() == [0.0] * 4
+
+
+def test_persistent_pending_follows_comm_dtype() -> None:
+    s = GradStaging(4, torch.float32, CPU, True)
+    a = s.take_pending(torch.float32)
+    b = s.take_pending(torch.bfloat16)
+    assert b.dtype == torch.bfloat16 and b is not a
+    assert s.take_pending(torch.bfloat16) is b
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_accumulator_cycle(persistent: bool) -> None:
+    s = GradStaging(3, torch.float32, CPU, persistent)
+    s.accumulator().add_(1.0)
+    s.accumulator().add_(2.0)  # a second microbatch accumulates
+    acc = s.accumulator()
+    full = s.take_accumulated(torch.float32)
+    assert full.tolist() == [3.0] * 3
+    assert full is acc  # same dtype: the buffer itself is reduced (no copy)
+    full.mul_(0.5)  # the reducer may work in place (no_shard all-reduce)
+    assert s.accumulator().tolist() == [0.0] * 3  # the next cycle starts from zero
+    assert (s.accumulator() is acc) == persistent
+
+
+def test_persistent_holds_cast_copy_until_end_backward() -> None:
+    s = GradStaging(2, torch.float32, CPU, True)
+    s.accumulator().add_(1.5)
+    full = s.take_accumulated(torch.bfloat16)
+    assert full.dtype == torch.bfloat16 and s._held == [full]
+    s.end_backward()
+    assert s._held == []
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_clear_drops_unsynced_grads(persistent: bool) -> None:
+    s = GradStaging(2, torch.float32, CPU, persistent)
+    acc = s.accumulator().add_(4.0)
+    s.clear()
+    assert s.accumulator().tolist() == [0.0, 0.0]
+    assert (s.accumulator() is acc) == persistent
+    assert len(s.tensors()) == 1
