@@ -5,6 +5,7 @@ early and identically on every rank with a message naming the argument and the a
 """
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from typing import Any
@@ -19,6 +20,7 @@ from .decoupled import check_decoupled_grad_consistency
 from .device import CommStreams, pick_device
 from .discovery import UnitSpec, assign_params, find_unit_modules, resolve_unit_classes
 from .engine import FSDPEngine
+from .fp8_params import check_fp8_params, model_fp8, unit_fp8
 from .grad_reduce import OuterGradReducer, two_level_groups
 from .hooks import register_hooks
 from .mesh import DistIndex, build_mesh, submesh
@@ -69,10 +71,7 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_
     if flags["cuda_graph_mode"]:
         raise _not_implemented("cuda_graph_mode=True", "capturing the FSDP hooks and collectives in CUDA graphs",
                                "pass cuda_graph_mode=False")
-    if flags["keep_fp8_transpose_cache"]:
-        raise _not_implemented("keep_fp8_transpose_cache=True (FP8 parameters)",
-                               "keeping an FP8 transpose cache of the sharded params",
-                               "pass keep_fp8_transpose_cache=False")
+    check_fp8_params(module, strategy, policy, flags["keep_fp8_transpose_cache"])
     if meta_init and strategy == ShardingStrategy.NO_SHARD:
         raise ValueError("init_model_with_meta_device=True is not supported with zero_dp_strategy="
                          "'no_shard'/0 (every rank would hold the whole model anyway); allowed "
@@ -139,7 +138,8 @@ def fully_shard_model(
     ctx = UnitContext(strategy=strategy, shard_mesh=shard_mesh, group=group, plan=dims.plan,
                       rank=dist.get_rank(group), world=dist.get_world_size(group), device=device,
                       policy=mixed_precision_policy, streams=CommStreams(device),
-                      two_level=two_level_groups(dims, device))
+                      two_level=two_level_groups(dims, device),
+                      fp8_setup=functools.partial(unit_fp8, keep_transpose=keep_fp8_transpose_cache))
     names = [name for name, _ in found] + [""]
     all_units = [FSDPUnit(name or "<root>", group, ctx) for name, group in zip(names, groups, strict=True)]
     unit_modules = [m for _, m in found]
@@ -149,6 +149,8 @@ def fully_shard_model(
     outer_reducer = OuterGradReducer(dims.hsdp_reduce_group) if dims.hsdp_reduce_group is not None else None
     engine = FSDPEngine(units, all_units[-1], ctx, sync_model_each_microbatch, use_decoupled_grad,
                         report_nan_in_param_grad, outer_reducer)
+    # FP8 weights requantised over the shard group; delayed-scaling amaxes over every dp rank
+    engine.fp8 = model_fp8(module, units, group, dims.hybrid_group or group)
     handles = register_hooks(engine, [unit_modules[i] for i in keep] + [module])
     buffer = ParamAndGradBuffer([u.group for u in units], use_decoupled_grad)
     dist_index = DistIndex(mesh, dims.inner_mesh, dims.outer_group, dims.hybrid_group, dims.tp_group)

@@ -7,8 +7,9 @@ unit issues go through the shard group in a fixed order, so every rank issues th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,9 @@ from .param import ManagedParam
 from .placement import PlacementPlan
 from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
 from .sharding import FlatLayout, shard_row_range
+
+if TYPE_CHECKING:
+    from .fp8_params import UnitFp8
 
 
 @contextlib.contextmanager
@@ -63,6 +67,8 @@ class UnitContext:
     # HFSDP two-level grad reduction: reduce-scatter inside dp_shard every backward, across
     # dp_outer only on the sync backward (``None``: one reduction over ``group``).
     two_level: TwoLevelGroups | None = None
+    # FP8 params: builds a unit's FP8 side once it has sharded (fp8_params.unit_fp8); None: no FP8
+    fp8_setup: Callable[[FSDPUnit], UnitFp8 | None] | None = None
 
     @property
     def num_shards(self) -> int:
@@ -110,6 +116,7 @@ class FSDPUnit:
         self.is_unsharded = False
         self.synced_version = -1  # weight-buffer version the compute params were built from
         self._grad_cache: list[torch.Tensor | None] = [None] * len(self.trainable)
+        self.fp8: UnitFp8 | None = None  # FP8 params: gathered as FP8 bytes (fp8_params.py)
 
     # ----------------------------------------------------------------- wrap time
     def shard_from_module(self) -> None:
@@ -124,6 +131,8 @@ class FSDPUnit:
                                          requires_grad=p.requires_grad)
                 p.make_unsharded(self.dtypes.compute, self.ctx.device)
                 p.set_on_module(p.sharded)
+        if self.ctx.fp8_setup is not None:
+            self.fp8 = self.ctx.fp8_setup(self)
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
             self._free_unsharded()
 
@@ -168,7 +177,7 @@ class FSDPUnit:
         if (self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS or self.is_unsharded
                 or self._gather is not None or not self.params):
             return
-        for p in self.params:
+        for p in self._dense_params():
             storage = p.compute_local().untyped_storage()
             need = p.compute_local().numel() * p.compute_local().element_size()
             if storage.size() != need:
@@ -194,10 +203,13 @@ class FSDPUnit:
         stream = self.ctx.streams.gather
         version = self.version_signature()
         with stream.use():
-            compute = self.dtypes.compute
-            local = self.weight.data if self.weight.dtype == compute else self.weight.data.to(compute)
-            gathered = torch.empty(self.weight.layout.total_numel, dtype=compute, device=self.ctx.device)
-            comm.all_gather(gathered, local, self.ctx.group)
+            if self.fp8 is not None:  # FP8 params travel as FP8 bytes
+                gathered = self.fp8.gather(self.weight, self.ctx.group)
+            else:
+                compute = self.dtypes.compute
+                local = self.weight.data if self.weight.dtype == compute else self.weight.data.to(compute)
+                gathered = torch.empty(self.weight.layout.total_numel, dtype=compute, device=self.ctx.device)
+                comm.all_gather(gathered, local, self.ctx.group)
         return _Gather(gathered, stream.record(), version)
 
     def _finish_gather(self, gather: _Gather) -> None:
@@ -206,9 +218,12 @@ class FSDPUnit:
         stream.wait(gather.event)
         stream.used_by_current(gather.gathered)
         with torch.no_grad():
-            for i, p in enumerate(self.params):
+            gathered, layout, params = gather.gathered, self.weight.layout, self.params
+            if self.fp8 is not None:  # fills the FP8 params; the others are copied out below
+                gathered, layout, params = self.fp8.unpack(gather.gathered)
+            for i, p in enumerate(params):
                 with _preserve_versions(p):
-                    self.weight.layout.unpack_full(gather.gathered, i, p.compute_local())
+                    layout.unpack_full(gathered, i, p.compute_local())
         self.synced_version = gather.version
 
     def reshard(self) -> None:
@@ -224,8 +239,14 @@ class FSDPUnit:
             self.is_unsharded = False
 
     def _free_unsharded(self) -> None:
-        for p in self.params:
+        for p in self._dense_params():
             p.compute_local().untyped_storage().resize_(0)
+        if self.fp8 is not None:
+            self.fp8.release(after_backward=self.post_backward_done)
+
+    def _dense_params(self) -> list[ManagedParam]:
+        """Params whose compute form is one plain tensor (FP8 params have their own, in ``fp8``)."""
+        return self.params if self.fp8 is None else self.fp8.other_params
 
     def swap_in(self) -> None:
         for p in self.params:

@@ -133,7 +133,6 @@ def test_meta_module_without_reset_parameters(dist_env) -> None:
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(cuda_graph_mode=True), r"cuda_graph_mode=True is not implemented yet"),
-    (dict(keep_fp8_transpose_cache=True), r"keep_fp8_transpose_cache=True .* is not implemented yet"),
 ])
 def test_later_issue_features_raise_not_implemented(kwargs, match, dist_env) -> None:
     with pytest.raises(NotImplementedError, match=match):
