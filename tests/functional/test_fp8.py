@@ -32,7 +32,8 @@ from fsdp_impl import MixedPrecisionPolicy, checkpoint, fully_shard
 from fsdp_impl.fp8 import BlockwiseScaling, CurrentScaling, convert_to_fp8
 from tests.functional.common import fp8_training as ft
 from tests.functional.common.collective_counter import CollectiveCounter
-from tests.functional.test_mesh_support import seed_kwargs, seed_mesh
+from tests.functional.common.reference import max_relative_error
+from tests.functional.test_mesh_support import data_position, seed_kwargs, seed_mesh
 
 STEPS, MICRO = 10, 2
 RECIPES = list(ft.RECIPES)
@@ -71,7 +72,7 @@ def _mesh_kwargs(name: str, device: torch.device) -> tuple[dict, int, int]:
         return {}, 0, 1
     mesh = seed_mesh(shape, device.type)
     group = mesh["hsdp"].get_group() if outer is not None else mesh["dp_shard"].get_group()
-    slot, slots = ft.rank_in(group)
+    slot, slots = data_position(group)
     return seed_kwargs(mesh, outer), slot, slots
 
 
@@ -97,7 +98,7 @@ def _check_parity(fsdp: ft.RunResult, ref: ft.RunResult, device: torch.device) -
     rtol = PARITY_RTOL[device.type]
     gaps = [abs(a - b) / abs(b) for a, b in zip(fsdp.losses, ref.losses, strict=True)]
     assert max(gaps) <= rtol, f"losses {fsdp.losses} vs reference {ref.losses}"
-    err, where = ft.max_param_error(fsdp.params, ref.params)
+    err, where = max_relative_error(fsdp.params, ref.params)
     assert err <= rtol, f"final main param {where}: relative error {err:.3g}"
 
 

@@ -35,9 +35,8 @@ import torch.nn.functional as F
 from fsdp_impl import MixedPrecisionPolicy, clip_grad_norm, fully_shard
 from fsdp_impl.decoupled import local_tensor
 from fsdp_impl.optim import AdamW
-from tests.functional.common import fp8_training as ft
 from tests.functional.common.collective_counter import CollectiveCounter
-from tests.functional.test_mesh_support import seed_kwargs, seed_mesh
+from tests.functional.test_mesh_support import data_position, seed_kwargs, seed_mesh
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine")]
 
@@ -153,7 +152,7 @@ def mesh_kwargs(name: str) -> tuple[dict, int]:
         return {}, 0
     mesh = seed_mesh(shape, "cuda")
     group = mesh["hsdp"].get_group() if outer is not None else mesh["dp_shard"].get_group()
-    return seed_kwargs(mesh, outer), ft.rank_in(group)[0]
+    return seed_kwargs(mesh, outer), data_position(group)[0]
 
 
 def assert_grads_on_owned_shards(model: nn.Module, attr: str = "grad") -> None:

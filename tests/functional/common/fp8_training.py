@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -154,20 +153,3 @@ def train_fsdp(model: nn.Module, opt: torch.optim.Optimizer, slot: int, steps: i
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().float().cpu() for n, p in model.module.named_parameters()}
-
-
-def max_param_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[float, str]:
-    worst, where = 0.0, ""
-    for name, e in expected.items():
-        err = ((actual[name].double() - e.double()).norm() / e.double().norm().clamp_min(1e-12)).item()
-        if err > worst:
-            worst, where = err, name
-    return worst, where
-
-
-def rank_in(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(position, size) of this rank in ``group`` (``None``: the world)."""
-    if group is None:
-        return dist.get_rank(), dist.get_world_size()
-    ranks = dist.get_process_group_ranks(group)
-    return ranks.index(dist.get_rank()), len(ranks)
