@@ -102,7 +102,7 @@ def quantize_master_weights(model_weights: list, master_weights: list, start_off
                             fsdp_shard_model_weights: list, manual_post_all_gather_processing: bool) -> None:
     """Current scaling as TE does it: bf16 cast of the master rows, partial amaxes, one MAX
     all-reduce, local casts into the shard's bytes, replicated scale_inv."""
-    amax = torch.zeros(len(model_weights))
+    amax = torch.zeros(len(model_weights), device=model_weights[0].device)
     for i, master in enumerate(master_weights):
         if master is not None:
             amax[i] = master.to(torch.bfloat16).abs().amax().float()
@@ -167,7 +167,7 @@ def _qdq(linear: nn.Linear) -> QdqLinear:
 @pytest.mark.parametrize("keep", [False, True], ids=["regather", "keep_transpose"])
 def test_te_fp8_params_with_stand_in(keep: bool, stand_in_te: None, dist_env) -> None:
     ref = ft.train_reference(_swap(ft.build(None), _qdq), 2, STEPS, 1, dist_env.device)
-    module = _swap(ft.build(None), TeLinear)
+    module = _swap(ft.build(None).to(dist_env.device), TeLinear)
     hp = module.blocks[0].fc1.weight.get_high_precision_init_val()
     model, opt = fully_shard(module, torch.optim.Adam(module.parameters(), lr=1e-2), fsdp_unit_modules=[ft.Fp8Block],
                              mixed_precision_policy=MixedPrecisionPolicy(main_params_dtype=torch.float32),
