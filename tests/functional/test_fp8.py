@@ -116,12 +116,13 @@ def test_training_matches_reference(recipe: str, mesh: str, meta: bool, dist_env
 def test_zero12_fp8_params_match_reference(strategy: str, dist_env) -> None:
     """ZeRO-1/2: persistent FP8 compute weights refreshed by the FP8-byte gather when the
     main weights change (once per step, not per microbatch)."""
-    ref = ft.train_reference(ft.build("current"), 2, STEPS, MICRO, dist_env.device)
+    steps = 4  # the refresh schedule shows in a few steps; 10-step parity is checked above
+    ref = ft.train_reference(ft.build("current"), 2, steps, MICRO, dist_env.device)
     model, opt = ft.wrap(ft.build("current"), strategy=strategy)
     with CollectiveCounter() as counter:
-        losses = ft.train_fsdp(model, opt, dist_env.rank, STEPS, MICRO, dist_env.device)
+        losses = ft.train_fsdp(model, opt, dist_env.rank, steps, MICRO, dist_env.device)
     _check_parity(ft.RunResult(losses, ft.full_params(model)), ref, dist_env.device)
-    assert counter.count("all_gather_into_tensor") == STEPS * 3, counter.summary()  # 3 units, once a step
+    assert counter.count("all_gather_into_tensor") == steps * 3, counter.summary()  # 3 units, once a step
 
 
 def _gather_run(recipe: str, fp8_params: bool, keep: bool, device: torch.device) -> tuple[list[float], int, int]:
