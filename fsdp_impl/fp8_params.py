@@ -43,7 +43,7 @@ from .fp8.quantizer import DelayedQuantizer
 from .fp8.sharded import ShardedQuantization, ShardedWeight
 from .fp8.state import advance_all, delayed_quantizers, pack_pending, set_deferred
 from .fp8.tensor import Fp8Tensor
-from .fp8_te import TeFp8Param, is_te_quantized, module_has_te_fp8_params, quantize_te
+from .fp8_te import TeFp8Param, free_storage, is_te_quantized, module_has_te_fp8_params, quantize_te
 from .param import ManagedParam
 from .policy import MixedPrecisionPolicy, ShardingStrategy
 from .sharding import FlatLayout, ParamSlot, shard_row_range
@@ -79,7 +79,7 @@ class NativeFp8Param:
         self.managed, self.index, self.module = managed, index, module
         self.shape = (module.out_features, module.in_features)
         self.data = torch.empty(self.shape, dtype=torch.uint8, device=device)
-        _free(self.data)
+        free_storage(self.data)
         self.scale_inv: torch.Tensor | None = None  # the full tensor's grid, same on every rank
         self.block = self.shape
 
@@ -95,7 +95,7 @@ class NativeFp8Param:
 
     def release(self, keep_transpose: bool) -> None:
         self.module.fp8_weight_slot.release(keep_transpose)
-        _free(self.data)
+        free_storage(self.data)
 
     def has_transpose(self) -> bool:
         return self.module.fp8_weight_slot.has_transpose
@@ -130,10 +130,6 @@ QUANTIZE: dict[str, Callable[[list[QuantizeItem], dist.ProcessGroup], None]] = {
     NativeFp8Param.kind: quantize_native,
     TeFp8Param.kind: quantize_te,
 }
-
-
-def _free(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
 
 
 def _allocate(t: torch.Tensor) -> None:
@@ -309,7 +305,7 @@ def _fp8_param_of(p: ManagedParam, index: int, device: torch.device) -> Any | No
         if len(p.locations) > 1:
             raise ValueError(f"FP8 parameter {p.fqn!r} is tied to another module; a tied weight cannot be "
                              "an FP8 parameter")
-        _free(p.compute_local())  # never materialised: the module computes from its weight slot
+        free_storage(p.compute_local())  # never materialised: the module computes from its weight slot
         return NativeFp8Param(p, index, module, device)
     return None
 

@@ -74,7 +74,8 @@ def planes_of(tensor: Any, fqn: str) -> tuple[tuple[str, ...], int | None]:
     return _PLANES[name]
 
 
-def _free(t: torch.Tensor) -> None:
+def free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s memory, keeping the tensor object (and its shape) for a later refill."""
     t.untyped_storage().resize_(0)
 
 
@@ -125,7 +126,7 @@ class TeFp8Param:
         for plane, (field, data) in enumerate(zip(self.fields, self.storage, strict=True)):
             if keep_transpose and plane == self.transpose_plane:
                 continue
-            _free(data)
+            free_storage(data)
             setattr(self.tensor, field, None)
         if not keep_transpose:
             _invalidate_transpose(self.tensor)
