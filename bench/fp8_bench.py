@@ -17,6 +17,8 @@ repetition, medians, peak memory, the same init and data) with these implementat
   bf16 (``bench/gpt.py`` ties the head to the embedding, which is no FP8 candidate);
 - ``ours-fp8-te-current-bf16params``: the same TE modules with bf16 parameters (our ZeRO-3
   gathers bf16, TE quantises in every forward), to separate FP8 compute from the FP8 gather;
+- ``ours-fp8-te-current-regather``: FP8 parameters without ``keep_fp8_transpose_cache`` (the
+  backward gathers the FP8 bytes again instead of holding the transposes: less memory);
 - ``ours-fp8-native-current``: the torch-native path (``fsdp_impl.fp8.convert_to_fp8`` with
   ``fp8_params=True``, ``torch._scaled_mm``), also the CPU smoke path (``--device cpu --sizes tiny``).
 
@@ -105,10 +107,11 @@ def _fsdp(module: nn.Module, keep_transpose: bool) -> tuple[nn.Module, torch.opt
                                  mixed_precision_policy=policy, keep_fp8_transpose_cache=keep_transpose)
 
 
-def _ours_te(kind: str, fp8_params: bool, module: nn.Module, env: Env) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _ours_te(kind: str, fp8_params: bool, keep: bool, module: nn.Module, env: Env
+             ) -> tuple[nn.Module, torch.optim.Optimizer]:
     recipe = _recipe(kind)
     _te_linears(module, recipe, fp8_params)
-    model, opt = _fsdp(module, keep_transpose=fp8_params)
+    model, opt = _fsdp(module, keep_transpose=keep)
     return TeAutocast(model, recipe), opt
 
 
@@ -121,13 +124,16 @@ def _ours_native(module: nn.Module, env: Env) -> tuple[nn.Module, torch.optim.Op
 _FP8 = "ZeRO-3, bf16 module, fp32 main params + grads, units = blocks, block linears"
 FP8_IMPLS = [
     impls.Impl("ours-fp8-te-current", f"fsdp_impl {_FP8} te.Linear FP8 params (Float8CurrentScaling), keep transposes",
-               functools.partial(_ours_te, "current", True), torch.bfloat16, False,
+               functools.partial(_ours_te, "current", True, True), torch.bfloat16, False,
                needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
+    impls.Impl("ours-fp8-te-current-regather", f"fsdp_impl {_FP8} te.Linear FP8 params (Float8CurrentScaling), "
+               "FP8 bytes gathered again for the backward", functools.partial(_ours_te, "current", True, False),
+               torch.bfloat16, False, needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
     impls.Impl("ours-fp8-te-delayed", f"fsdp_impl {_FP8} te.Linear FP8 params (DelayedScaling), keep transposes",
-               functools.partial(_ours_te, "delayed", True), torch.bfloat16, False,
+               functools.partial(_ours_te, "delayed", True, True), torch.bfloat16, False,
                needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
     impls.Impl("ours-fp8-te-current-bf16params", f"fsdp_impl {_FP8} te.Linear bf16 params, FP8 compute (current)",
-               functools.partial(_ours_te, "current", False), torch.bfloat16, False,
+               functools.partial(_ours_te, "current", False, False), torch.bfloat16, False,
                needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
     impls.Impl("ours-fp8-native-current", f"fsdp_impl {_FP8} Float8Linear FP8 params (torch-native current)",
                _ours_native, torch.bfloat16, False, persistent_bytes=lambda w: 16.0 / w),
