@@ -20,18 +20,18 @@ import torch.nn.functional as F
 from fsdp_impl import fully_shard, fully_shard_model, fully_shard_optimizer
 from fsdp_impl.clip_grad import clip_grad_norm
 from fsdp_impl.decoupled import local_tensor
-from tests.functional.test_decoupled_grad import (
+from tests.functional.common.decoupled import (
     LR,
     MAX_NORM,
     NORM_RTOL,
-    WORLDS,
-    _build,
-    _global_batch,
-    _local_batch,
-    _train_fsdp,
-    _train_reference,
+    build,
+    global_batch,
+    local_batch,
     loss_check_problem,
+    train_clipped,
+    train_clipped_reference,
 )
+from tests.functional.test_decoupled_grad import WORLDS
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine")]
 # FusedAdam (fused CUDA kernel) vs torch.optim.AdamW on the reference: TE measured a 1.4e-6 max
@@ -52,7 +52,7 @@ class TestRegressionsWithFusedAdam:
                      "handle empty shards"),
     )
     def test_none_decoupled_grad_and_empty_shards(self, dist_env: Any, world: int) -> None:
-        module, ref = _build(dist_env)
+        module, ref = build(dist_env)
         model, optimizer = fully_shard(module, _fused_adam(module.parameters(), True), fsdp_unit_modules=[nn.Linear],
                                        zero_dp_strategy=3, use_decoupled_grad=True)
         head_bias = model.module.head.bias
@@ -60,9 +60,9 @@ class TestRegressionsWithFusedAdam:
             assert local_tensor(head_bias).numel() == 0, "test setup: trailing ranks hold empty shards"
         assert clip_grad_norm(model, MAX_NORM).item() == 0.0
         optimizer.step()  # every decoupled_grad is None: a no-op, not a crash
-        x, y = _local_batch(0, dist_env)
+        x, y = local_batch(0, dist_env)
         F.mse_loss(model(x), y).backward()
-        gx, gy = _global_batch(0, dist_env.world_size, dist_env.device)
+        gx, gy = global_batch(0, dist_env.world_size, dist_env.device)
         F.mse_loss(ref(gx), gy).backward()
         model.module.fc1.weight.decoupled_grad = None
         ref.fc1.weight.grad = None
@@ -81,22 +81,22 @@ class TestRegressionsWithFusedAdam:
     )
     def test_mismatch_refused_and_no_op_detected(self, dist_env: Any, world: int) -> None:
         for model_flag in (True, False):
-            module, _ = _build(dist_env)
+            module, _ = build(dist_env)
             with pytest.raises(ValueError, match="decoupled gradients"):
                 fully_shard(module, _fused_adam(module.parameters(), not model_flag), fsdp_unit_modules=[nn.Linear],
                             use_decoupled_grad=model_flag)
-        module, ref = _build(dist_env)
+        module, ref = build(dist_env)
         model, optimizer = fully_shard(module, _fused_adam(module.parameters(), True), fsdp_unit_modules=[nn.Linear],
                                        zero_dp_strategy=3, use_decoupled_grad=True)
-        ref_trace = _train_reference(ref, dist_env)
-        healthy = _train_fsdp(model, optimizer, dist_env)
+        ref_trace = train_clipped_reference(ref, dist_env)
+        healthy = train_clipped(model, optimizer, dist_env)
         assert loss_check_problem(healthy.losses, ref_trace.losses, rtol=FUSED_LOSS_RTOL) is None
-        module, _ = _build(dist_env)
+        module, _ = build(dist_env)
         model = fully_shard_model(module, fsdp_unit_modules=[nn.Linear], zero_dp_strategy=3, use_decoupled_grad=True)
         with pytest.raises(ValueError, match="decoupled gradients"):
             fully_shard_optimizer(_fused_adam(model.parameters(), False))
         blind = _fused_adam(model.parameters(), False)  # built on the shards: the wrap-time check never runs
-        mutated = _train_fsdp(model, blind, dist_env)
+        mutated = train_clipped(model, blind, dist_env)
         problem = loss_check_problem(mutated.losses, ref_trace.losses)
         assert problem is not None, f"the detector missed a no-op FusedAdam: losses {mutated.losses}"
         dist.barrier()

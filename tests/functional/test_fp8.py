@@ -32,8 +32,8 @@ from fsdp_impl import MixedPrecisionPolicy, checkpoint, fully_shard
 from fsdp_impl.fp8 import BlockwiseScaling, CurrentScaling, convert_to_fp8
 from tests.functional.common import fp8_training as ft
 from tests.functional.common.collective_counter import CollectiveCounter
-from tests.functional.common.reference import max_relative_error
-from tests.functional.test_mesh_support import data_position, seed_kwargs, seed_mesh
+from tests.functional.common.mesh import data_position, seed_kwargs, seed_mesh
+from tests.functional.common.numerics import max_relative_error
 
 STEPS, MICRO = 10, 2
 RECIPES = list(ft.RECIPES)

@@ -36,7 +36,7 @@ from fsdp_impl import MixedPrecisionPolicy, clip_grad_norm, fully_shard
 from fsdp_impl.decoupled import local_tensor
 from fsdp_impl.optim import AdamW
 from tests.functional.common.collective_counter import CollectiveCounter
-from tests.functional.test_mesh_support import data_position, seed_kwargs, seed_mesh
+from tests.functional.common.mesh import data_position, seed_kwargs, seed_mesh
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine")]
 

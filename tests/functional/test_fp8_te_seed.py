@@ -30,8 +30,8 @@ import torch.nn as nn
 from torch.nn.functional import mse_loss
 
 from fsdp_impl import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
+from tests.functional.common.mesh import seed_mesh
 from tests.functional.test_fp8_te import assert_grads_on_owned_shards, te_recipe
-from tests.functional.test_mesh_support import seed_mesh
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine")]
 

@@ -28,7 +28,7 @@ import torch.nn as nn
 from fsdp_impl import MixedPrecisionPolicy, fully_shard
 from fsdp_impl.fp8 import E4M3, CurrentQuantizer
 from tests.functional.common import fp8_training as ft
-from tests.functional.common.reference import max_relative_error
+from tests.functional.common.numerics import max_relative_error
 
 pytestmark = pytest.mark.distributed(world_size=2, timeout=300)
 STEPS = 6
