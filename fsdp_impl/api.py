@@ -5,6 +5,7 @@ early and identically on every rank with a message naming the argument and the a
 """
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from typing import Any
@@ -23,6 +24,7 @@ from .device import CommStreams
 from .discovery import UnitSpec, assign_params, find_unit_modules, resolve_unit_classes
 from .engine import FSDPEngine
 from .expert import is_expert_param, resolve_expert_dims
+from .fp8_params import check_fp8_params, has_fp8_params, model_fp8, unit_fp8
 from .grad_reduce import GradScaling
 from .graph_mode import check_cuda_graph_mode, check_optimizer_capturable
 from .hooks import register_hooks
@@ -87,10 +89,11 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_
     if outer == ShardingStrategy.OPTIM and strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(f"outer_dp_sharding_strategy='optim'/1 requires zero_dp_strategy="
                          f"'optim_grads_params'/3, got zero_dp_strategy={strategy.name.lower()!r}/{int(strategy)}")
-    if flags["keep_fp8_transpose_cache"]:
-        raise _not_implemented("keep_fp8_transpose_cache=True (FP8 parameters)",
-                               "keeping an FP8 transpose cache of the sharded params",
-                               "pass keep_fp8_transpose_cache=False")
+    check_fp8_params(module, strategy, policy, flags["keep_fp8_transpose_cache"])
+    if flags["cuda_graph_mode"] and has_fp8_params(module):
+        raise _not_implemented("cuda_graph_mode=True with FP8 parameters",
+                               "capturing the FP8 weight gather (its byte buffers are allocated per step)",
+                               "pass cuda_graph_mode=False, or build the model without FP8 parameters")
     if meta_init and strategy == ShardingStrategy.NO_SHARD:
         raise ValueError("init_model_with_meta_device=True is not supported with zero_dp_strategy="
                          "'no_shard'/0 (every rank would hold the whole model anyway); allowed "
@@ -191,6 +194,10 @@ def fully_shard_model(
     shard_dim = dp_shard_dim or (inner_mesh.mesh_dim_names or ("",))[0]
     expert_dims = resolve_expert_dims(module, expt_device_mesh, shard_dim, dp_outer_dim, tp_dim,
                                       hybrid_fsdp_expt_group, expt_fsdp_group_ag, strategy, outer)
+    if expert_dims is not None and has_fp8_params(module):
+        raise _not_implemented("expt_device_mesh with FP8 parameters",
+                               "requantising FP8 weights over a separate expert group",
+                               "pass expt_device_mesh=None, or build the model without FP8 parameters")
     resolved_device = resolve_device(device, mesh)
     check_gather_group(fsdp_group_ag, dims, "fsdp_group_ag")
     if expert_dims is not None:
@@ -225,6 +232,7 @@ def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], strategy:
                           record_streams=not graph_mode)
     ctx = make_context(ordinary, strategy, policy, device, streams, options.overlap_param_gather, graph_mode,
                        unshard)
+    ctx.fp8_setup = functools.partial(unit_fp8, keep_transpose=flags["keep_fp8_transpose_cache"])
     expert_ctx = (make_context(experts, strategy, policy, device, streams, options.overlap_param_gather,
                                graph_mode, unshard) if experts is not None else None)
     per_match, units, modules = build_units(layout, ctx, expert_ctx)
@@ -236,6 +244,8 @@ def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], strategy:
                             ordinary.scaling)
     engine = FSDPEngine(units, units[-1], ctx, flags["sync_model_each_microbatch"], flags["use_decoupled_grad"],
                         flags["report_nan_in_param_grad"], reducer)
+    # FP8 weights requantised over the shard group; delayed-scaling amaxes over every dp rank
+    engine.fp8 = model_fp8(module, units, ctx.group, ordinary.dims.hybrid_group or ctx.group)
     handles = register_hooks(engine, modules)
     buffer = ParamAndGradBuffer([u.group for u in units], flags["use_decoupled_grad"])
     wrapper = FullyShardedModule(module, engine, buffer, _dist_index(ordinary, experts), handles)

@@ -6,7 +6,7 @@ whether the end-of-backward callback is queued.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.profiler import record_function
@@ -17,6 +17,9 @@ from .grad_reduce import OuterGradReducer
 from .param import ManagedParam
 from .policy import ShardingStrategy
 from .unit import FSDPUnit, UnitContext
+
+if TYPE_CHECKING:
+    from .fp8_params import ModelFp8
 
 
 class FSDPEngine:
@@ -32,6 +35,7 @@ class FSDPEngine:
         self.use_decoupled_grad = use_decoupled_grad
         self.report_nan = report_nan
         self.outer_reducer = outer_reducer  # HSDP: averages grads across dp_outer once per cycle
+        self.fp8: ModelFp8 | None = None  # FP8 params / delayed scaling (fp8_params.py), set at wrap
         self.comm_dtype_override: torch.dtype | None = None
         self._callback_queued = False
         # ZeRO-0/1/2: units whose compute params must be rebuilt before their forward
@@ -77,6 +81,8 @@ class FSDPEngine:
                 for other in self.units:
                     other.reshard()
             self._agree_on_stale_units()
+            if self.fp8 is not None:  # FP8 params of changed units: one sharded requantisation
+                self.fp8.requantize([u for u in self.units if self._stale[u]])
             if self._order:
                 self._prev_order = self._order
             self._order = []
@@ -153,6 +159,8 @@ class FSDPEngine:
             unit.reshard()
             unit.end_backward()
         if self.sync:
+            if self.fp8 is not None:  # delayed scaling: one amax reduction per step
+                self.fp8.after_sync_backward()
             if self.outer_reducer is not None:
                 self.outer_reducer.reduce([u.grad for u in self.units])
             self.install_grads()

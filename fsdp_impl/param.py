@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .decoupled import local_tensor
+from .fp8_te import high_precision_value, is_te_quantized
 from .placement import TPSpec
 
 
@@ -83,13 +84,20 @@ class ManagedParam:
     def local_full(self) -> torch.Tensor:
         """The full tensor this rank lays out: the module's value, TP-local for TP params (a
         meta-init TP param is materialised at its global shape, so it is chunked here)."""
+        if is_te_quantized(self.current()):  # a TE FP8 param: main copy from its bf16 init value
+            return high_precision_value(self.current(), self.fqn)
         value = self.current().detach()
         if isinstance(value, DTensor):
             return value.to_local()
         return self.tp.local_chunk(value) if self.tp is not None else value
 
     def make_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Allocate the compute param (a TP DTensor around a plain local tensor for TP params)."""
+        """Allocate the compute param (a TP DTensor around a plain local tensor for TP params;
+        a TE FP8 param stays its own compute form, filled by the unit's FP8 gathers)."""
+        current = self.current()
+        if is_te_quantized(current):
+            self._unsharded = current if isinstance(current, nn.Parameter) else nn.Parameter(current)
+            return
         local = torch.empty(self.layout_shape, dtype=dtype, device=device)
         value = self.tp.to_compute(local) if self.tp is not None else local
         self._unsharded = nn.Parameter(value, requires_grad=self.requires_grad)

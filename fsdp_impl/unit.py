@@ -7,8 +7,9 @@ unit issues go through the shard group in a fixed order, so every rank issues th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ from .placement import PlacementPlan
 from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
 from .sharding import FlatLayout, shard_row_range
 from .unshard_storage import UnitStorage, UnshardPool, UnshardStorage, UnshardStorageKind, build_pool, unit_storage
+
+if TYPE_CHECKING:
+    from .fp8_params import UnitFp8
 
 
 @contextlib.contextmanager
@@ -75,6 +79,8 @@ class UnitContext:
     graph_mode: bool = False
     # How ZeRO-3 compute params are stored while unsharded (resolved: never AUTO).
     unshard: UnshardStorage = field(default_factory=lambda: UnshardStorage().resolve(False))
+    # FP8 params: builds a unit's FP8 side once it has sharded (fp8_params.unit_fp8); None: no FP8
+    fp8_setup: Callable[[FSDPUnit], UnitFp8 | None] | None = None
 
     @property
     def num_shards(self) -> int:
@@ -125,6 +131,7 @@ class FSDPUnit:
         self.is_unsharded = False
         self.synced_version = -1  # weight-buffer version the compute params were built from
         self._grad_cache: list[torch.Tensor | None] = [None] * len(self.trainable)
+        self.fp8: UnitFp8 | None = None  # FP8 params: gathered as FP8 bytes (fp8_params.py)
 
     # ----------------------------------------------------------------- wrap time
     def shard_from_module(self) -> None:
@@ -139,13 +146,17 @@ class FSDPUnit:
                                          requires_grad=p.requires_grad)
                 p.make_unsharded(self.dtypes.compute, self.ctx.device)
                 p.set_on_module(p.sharded)
+        if self.ctx.fp8_setup is not None:
+            self.fp8 = self.ctx.fp8_setup(self)
         self.storage = unit_storage(self.ctx.unshard.standalone_kind(self.ctx.graph_mode), self.compute_tensors())
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
-            self.storage.on_reshard(self)
+            self._release_unsharded()
 
     def compute_tensors(self) -> list[torch.Tensor]:
-        """The plain tensors holding the compute values (what the unshard storage manages)."""
-        return [p.compute_local() for p in self.params]
+        """The plain tensors holding the compute values (what the unshard storage manages;
+        FP8 params keep their own bytes, in ``fp8``)."""
+        params = self.params if self.fp8 is None else self.fp8.other_params
+        return [p.compute_local() for p in params]
 
     # ------------------------------------------------------------ compute params
     def version_signature(self) -> int:
@@ -215,10 +226,13 @@ class FSDPUnit:
         stream = self.ctx.streams.gather
         version = self.version_signature()
         with stream.use():
-            compute = self.dtypes.compute
-            local = self.weight.data if self.weight.dtype == compute else self.weight.data.to(compute)
-            gathered = torch.empty(self.weight.layout.total_numel, dtype=compute, device=self.ctx.device)
-            comm.all_gather(gathered, local, self.ctx.gather_group or self.ctx.group)
+            if self.fp8 is not None:  # FP8 params travel as FP8 bytes
+                gathered = self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group)
+            else:
+                compute = self.dtypes.compute
+                local = self.weight.data if self.weight.dtype == compute else self.weight.data.to(compute)
+                gathered = torch.empty(self.weight.layout.total_numel, dtype=compute, device=self.ctx.device)
+                comm.all_gather(gathered, local, self.ctx.gather_group or self.ctx.group)
         return _Gather(gathered, stream.record(), version)
 
     def _finish_gather(self, gather: _Gather) -> None:
@@ -227,9 +241,12 @@ class FSDPUnit:
         stream.wait(gather.event)
         stream.used_by_current(gather.gathered)
         with torch.no_grad():
-            for i, p in enumerate(self.params):
+            gathered, layout, params = gather.gathered, self.weight.layout, self.params
+            if self.fp8 is not None:  # fills the FP8 params; the others are copied out below
+                gathered, layout, params = self.fp8.unpack(gather.gathered)
+            for i, p in enumerate(params):
                 with _preserve_versions(p):
-                    self.weight.layout.unpack_full(gather.gathered, i, p.compute_local())
+                    layout.unpack_full(gathered, i, p.compute_local())
         self.synced_version = gather.version
 
     def reshard(self) -> None:
@@ -239,10 +256,16 @@ class FSDPUnit:
         if self._gather is not None:  # prefetched but never used
             self.ctx.streams.gather.wait(self._gather.event)
             self._gather = None
-            self.storage.on_reshard(self)
+            self._release_unsharded()
         if self.is_unsharded:
-            self.storage.on_reshard(self)
+            self._release_unsharded()
             self.is_unsharded = False
+
+    def _release_unsharded(self) -> None:
+        """Give the compute storage back (how: the unshard storage) and the FP8 bytes."""
+        self.storage.on_reshard(self)
+        if self.fp8 is not None:
+            self.fp8.release(after_backward=self.post_backward_done)
 
     def swap_in(self) -> None:
         for p in self.params:

@@ -12,6 +12,11 @@ The weight comes from one of two places:
 * ``module.fp8_weight_slot`` when a sharding engine has filled it with the full FP8 weight it
   gathered as bytes: forward and backward read only the slot, so ``module.weight``'s storage may
   stay freed; autograd still delivers ``dW`` to ``module.weight``.
+
+``fp8_params=True`` (``convert_to_fp8(..., fp8_params=True)``) declares the weight an *FP8
+parameter*: a sharding engine then keeps and gathers it only in FP8 (its high-precision value
+lives in the engine's fp32 main copy), as TransformerEngine's ``quantized_model_init`` does for
+TE modules. On its own the module behaves the same either way.
 """
 from __future__ import annotations
 
@@ -46,6 +51,17 @@ class Float8WeightSlot:
     def clear(self) -> None:
         self.weight = None
         self._transpose = None
+
+    def release(self, keep_transpose: bool) -> None:
+        """Drop the row-wise weight (its storage is about to be freed); with ``keep_transpose``
+        a transposed copy built by the forward stays for the backward."""
+        self.weight = None
+        if not keep_transpose:
+            self._transpose = None
+
+    @property
+    def has_transpose(self) -> bool:
+        return self._transpose is not None
 
     def transposed(self) -> Fp8Tensor:
         if self._transpose is not None:
@@ -106,21 +122,24 @@ class Float8Linear(nn.Linear):
     """``nn.Linear`` with FP8 GEMMs under ``recipe``; parameters are the usual high-precision ones."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: torch.dtype | None = None, *, recipe: Recipe) -> None:
+                 dtype: torch.dtype | None = None, *, recipe: Recipe, fp8_params: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._setup_fp8(recipe)
+        self._setup_fp8(recipe, fp8_params)
 
-    def _setup_fp8(self, recipe: Recipe) -> None:
+    def _setup_fp8(self, recipe: Recipe, fp8_params: bool) -> None:
         if not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be a fsdp_impl.fp8 recipe (CurrentScaling, DelayedScaling, "
                             f"BlockwiseScaling), got {type(recipe).__qualname__}")
+        if not isinstance(fp8_params, bool):
+            raise TypeError(f"fp8_params must be True or False, got {fp8_params!r}")
         recipe.check_linear(type(self).__qualname__, self.in_features, self.out_features)
         self.recipe = recipe
+        self.fp8_params = fp8_params
         self.fp8_quantizers = recipe.make_quantizers(self)
         self.fp8_weight_slot = Float8WeightSlot()
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Recipe) -> Float8Linear:
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe, fp8_params: bool = False) -> Float8Linear:
         """A ``Float8Linear`` sharing ``linear``'s parameter objects (optimizers keep working)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
@@ -128,7 +147,7 @@ class Float8Linear(nn.Linear):
         new.weight = linear.weight
         new.register_parameter("bias", linear.bias)
         new.train(linear.training)
-        new._setup_fp8(recipe)
+        new._setup_fp8(recipe, fp8_params)
         return new
 
     def reset_parameters(self) -> None:
@@ -143,13 +162,15 @@ class Float8Linear(nn.Linear):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe}"
+        return f"{super().extra_repr()}, recipe={self.recipe}, fp8_params={self.fp8_params}"
 
 
 def convert_to_fp8(model: nn.Module, recipe: Recipe,
-                   module_filter: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
+                   module_filter: Callable[[str, nn.Module], bool] | None = None, *,
+                   fp8_params: bool = False) -> nn.Module:
     """Swap every ``nn.Linear`` (exact type; subclasses are left alone) for a ``Float8Linear``
-    sharing its parameters. ``module_filter(fqn, module)`` returning False keeps a layer.
+    sharing its parameters. ``module_filter(fqn, module)`` returning False keeps a layer;
+    ``fp8_params=True`` makes the swapped weights FP8 parameters (see the module docstring).
 
     All layers are checked before any is swapped, so a bad shape leaves the model unchanged.
     Returns the model (a new module when ``model`` itself is an ``nn.Linear``).
@@ -162,10 +183,12 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe,
                if type(m) is nn.Linear and (module_filter is None or module_filter(name, m))]
     for name, m in targets:
         recipe.check_linear(name or type(model).__qualname__, m.in_features, m.out_features)
+    if not isinstance(fp8_params, bool):
+        raise TypeError(f"fp8_params must be True or False, got {fp8_params!r}")
     if any(m is model for _, m in targets):
-        return Float8Linear.from_linear(model, recipe)  # type: ignore[arg-type]
+        return Float8Linear.from_linear(model, recipe, fp8_params)  # type: ignore[arg-type]
     parents = dict(model.named_modules())
     for name, m in targets:
         parent_name, _, attr = name.rpartition(".")
-        setattr(parents[parent_name], attr, Float8Linear.from_linear(m, recipe))
+        setattr(parents[parent_name], attr, Float8Linear.from_linear(m, recipe, fp8_params))
     return model

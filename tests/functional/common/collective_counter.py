@@ -4,7 +4,9 @@ HSDP/HFSDP tests assert *where* traffic goes (e.g. the dp_outer all-reduce happe
 optimisation cycle, never on accumulation microbatches), which final numbers alone cannot show.
 ``CollectiveCounter`` temporarily wraps the ``torch.distributed`` functions the engine calls
 (looked up through the module at call time, so wrapping the module attributes sees every call)
-and restores them on exit, even if the block raises.
+and restores them on exit, even if the block raises. It also records the bytes of each call's
+first tensor argument (the output of ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, the
+tensor of ``all_reduce``), so FP8 tests can compare how much a gather moved.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast")
@@ -33,7 +36,9 @@ class _Recorder:
         self.counter, self.op, self.original = counter, op, original
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.counter.record(self.op, kwargs.get("group"))
+        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
+        self.counter.record(self.op, kwargs.get("group"), nbytes)
         return self.original(*args, **kwargs)
 
 
@@ -43,10 +48,12 @@ class CollectiveCounter:
     def __init__(self, ops: Iterable[str] = OPS) -> None:
         self.ops = tuple(ops)
         self.calls: list[Key] = []
+        self.sizes: list[int] = []  # bytes of each call's first tensor, parallel to ``calls``
         self._saved: dict[str, Callable[..., Any]] = {}
 
-    def record(self, op: str, group: dist.ProcessGroup | None) -> None:
+    def record(self, op: str, group: dist.ProcessGroup | None, nbytes: int = 0) -> None:
         self.calls.append((op, group_ranks(group)))
+        self.sizes.append(nbytes)
 
     def __enter__(self) -> CollectiveCounter:
         for op in self.ops:
@@ -61,12 +68,22 @@ class CollectiveCounter:
 
     def reset(self) -> None:
         self.calls.clear()
+        self.sizes.clear()
+
+    def _selected(self, op: str | None, group: dist.ProcessGroup | None,
+                  ranks: tuple[int, ...] | None) -> list[int]:
+        want = group_ranks(group) if group is not None else ranks
+        return [i for i, (o, r) in enumerate(self.calls) if (op is None or o == op) and (want is None or r == want)]
 
     def count(self, op: str | None = None, group: dist.ProcessGroup | None = None,
               ranks: tuple[int, ...] | None = None) -> int:
         """Calls of ``op`` (any op if None) on ``group`` / ``ranks`` (any group if both None)."""
-        want = group_ranks(group) if group is not None else ranks
-        return sum(1 for o, r in self.calls if (op is None or o == op) and (want is None or r == want))
+        return len(self._selected(op, group, ranks))
+
+    def nbytes(self, op: str | None = None, group: dist.ProcessGroup | None = None,
+               ranks: tuple[int, ...] | None = None) -> int:
+        """Total bytes of the calls ``count`` would count."""
+        return sum(self.sizes[i] for i in self._selected(op, group, ranks))
 
     def summary(self) -> dict[Key, int]:
         """{(op, ranks): count}, for assertion messages."""

@@ -24,6 +24,13 @@ from fsdp_impl.fp8 import (
 
 pytestmark = [pytest.mark.requires_cuda]
 
+# Same FP8 operands on both sides, so only the accumulation differs: Hopper's FP8 tensor cores add
+# the products in a partial sum narrower than fp32 (promoted to fp32 only every few k-steps), so
+# _scaled_mm is not an fp32-exact dot product. Measured on an H200 (torch 2.11, CUDA 13):
+# tensorwise 1.05e-4 (K=128) and 7.2e-5 (K=72), blockwise 1.27e-4 / 1.28e-4 (K=256) relative to
+# the fp32 emulation. A wrong scale, layout or operand is off by >= 1e-2.
+GEMM_RTOL = 5e-4
+
 
 def to_cpu(t: Fp8Tensor) -> Fp8Tensor:
     return Fp8Tensor(t.data.cpu(), t.scale_inv.cpu(), t.block)
@@ -36,13 +43,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.requires_gpu_arch("sm89")
 @pytest.mark.parametrize("m,k,n", [(64, 128, 32), (37, 72, 50)])  # second: padded to multiples of 16
 def test_tensorwise_scaled_mm_matches_emulation(m, k, n):
-    """Same FP8 operands, fp32 output: only the summation order differs (rel. < 1e-5)."""
+    """Same FP8 operands, fp32 output: only the accumulation differs (``GEMM_RTOL``)."""
     a = CurrentQuantizer(E4M3).quantize(torch.randn(m, k, device="cuda"))
     b = CurrentQuantizer(E5M2).quantize(torch.randn(n, k, device="cuda"))
     before = gemm_calls["scaled_mm"]
     got = fp8_gemm(a, b, torch.float32)
     assert gemm_calls["scaled_mm"] == before + 1
-    assert rel(got.cpu(), fp8_gemm(to_cpu(a), to_cpu(b), torch.float32)) < 1e-5
+    assert rel(got.cpu(), fp8_gemm(to_cpu(a), to_cpu(b), torch.float32)) < GEMM_RTOL
 
 
 @pytest.mark.requires_gpu_arch("sm90")
@@ -53,7 +60,7 @@ def test_blockwise_scaled_mm_matches_emulation(b_block):
     before = gemm_calls["scaled_mm_blockwise"]
     got = fp8_gemm(a, b, torch.float32)
     assert gemm_calls["scaled_mm_blockwise"] == before + 1, dict(gemm_calls)
-    assert rel(got.cpu(), fp8_gemm(to_cpu(a), to_cpu(b), torch.float32)) < 1e-5
+    assert rel(got.cpu(), fp8_gemm(to_cpu(a), to_cpu(b), torch.float32)) < GEMM_RTOL
 
 
 @pytest.mark.requires_gpu_arch("sm90")
@@ -61,19 +68,19 @@ def test_blockwise_scaled_mm_matches_emulation(b_block):
                          ids=["current", "delayed", "blockwise"])
 def test_float8_linear_gpu_matches_cpu(recipe):
     """The module on the GPU (fast GEMMs) against the same module on CPU (emulated): same
-    quantised operands, so outputs and grads agree to accumulation-order noise."""
+    quantised operands, so outputs and grads agree to the GEMMs' accumulation noise (``GEMM_RTOL``)."""
     torch.manual_seed(0)
     cpu = Float8Linear(256, 384, recipe=recipe)
     gpu = copy.deepcopy(cpu).cuda()
     x, g = torch.randn(256, 256), torch.randn(256, 384)
     outs = []
     for layer, dev in ((cpu, "cpu"), (gpu, "cuda")):
-        xi = x.to(dev).requires_grad_()
+        xi = x.detach().clone().to(dev).requires_grad_()  # a fresh leaf on each device
         y = layer(xi)
         y.backward(g.to(dev))
         outs.append([y.detach().cpu(), xi.grad.cpu(), layer.weight.grad.cpu()])
     for a, b in zip(*outs, strict=True):
-        assert rel(b, a) < 1e-4
+        assert rel(b, a) < GEMM_RTOL
 
 
 # ------------------------------------------------------------------------------- TE oracle

@@ -172,9 +172,38 @@ def test_weight_slot_replaces_weight_reads(recipe, keep_transpose):
         slot.transposed()
 
 
+def test_slot_release_keeps_only_the_transpose_when_asked():
+    """What an engine's reshard does: the row-wise weight goes; the forward's transposed copy
+    stays for the backward only with ``keep_transpose``."""
+    layer = Float8Linear(32, 32, recipe=CurrentScaling())
+    slot = layer.fp8_weight_slot
+    for keep in (False, True):
+        slot.keep_transpose = True
+        slot.fill(layer.fp8_quantizers.weight.quantize(layer.weight.detach()))
+        kept = slot.transposed()
+        slot.release(keep_transpose=keep)
+        assert slot.weight is None and slot.has_transpose is keep
+        if keep:
+            assert slot.transposed() is kept
+
+
 # ------------------------------------------------------------------------------- conversion
 class MyLinear(nn.Linear):
     pass
+
+
+def test_fp8_params_flag():
+    """``fp8_params`` marks the weights an engine keeps only in FP8; the module computes the same."""
+    model = convert_to_fp8(mlp(), CurrentScaling(), fp8_params=True)
+    assert all(m.fp8_params for m in model.modules() if isinstance(m, Float8Linear))
+    assert not convert_to_fp8(mlp(), CurrentScaling())[0].fp8_params
+    assert "fp8_params=True" in repr(model[0])
+    x, g = torch.randn(4, 64), torch.randn(4, 16)
+    assert_all_equal(fwd_bwd(model, x, g), fwd_bwd(convert_to_fp8(mlp(), CurrentScaling()), x, g))
+    with pytest.raises(TypeError, match="fp8_params must be True or False, got 1"):
+        convert_to_fp8(mlp(), CurrentScaling(), fp8_params=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="fp8_params must be True or False"):
+        Float8Linear(4, 4, recipe=CurrentScaling(), fp8_params="yes")  # type: ignore[arg-type]
 
 
 def test_convert_swaps_exact_linears_and_shares_params():

@@ -1,0 +1,189 @@
+"""FP8 vs bf16 training of the bench GPT under our ZeRO-3, with FSDP2 bf16 in the same run.
+
+    source .te/install.sh                    # the GPU box: TransformerEngine (see shared/te)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    torchrun --standalone --nproc-per-node 2 bench/fp8_bench.py            # ~2 min on 2 H200s
+    torchrun --standalone --nproc-per-node 2 bench/fp8_bench.py --sizes 2.7b --reps 3
+
+Runs ``bench/suite.py`` (one process group, implementations alternating inside each
+repetition, medians, peak memory, the same init and data) with these implementations added:
+
+- ``ours-fp8-te-current`` / ``ours-fp8-te-delayed``: the bench GPT whose block linears (qkv,
+  proj, fc1, fc2) are ``te.Linear`` built under ``te.quantized_model_init`` with
+  Float8CurrentScaling / DelayedScaling, so their weights are FP8 parameters that our ZeRO-3
+  all-gathers as FP8 bytes (sharded quantisation, one amax all-reduce per step), with
+  ``keep_fp8_transpose_cache=True``; forward under ``te.autocast``. The weights start from the
+  bf16 model's values (TE's ``init_method`` copies them), embeddings, LayerNorms and the head stay
+  bf16 (``bench/gpt.py`` ties the head to the embedding, which is no FP8 candidate);
+- ``ours-fp8-te-current-bf16params``: the same TE modules with bf16 parameters (our ZeRO-3
+  gathers bf16, TE quantises in every forward), to separate FP8 compute from the FP8 gather;
+- ``ours-fp8-te-current-regather``: FP8 parameters without ``keep_fp8_transpose_cache`` (the
+  backward gathers the FP8 bytes again instead of holding the transposes: less memory);
+- ``ours-fp8-native-current``: the torch-native path (``fsdp_impl.fp8.convert_to_fp8`` with
+  ``fp8_params=True``, ``torch._scaled_mm``), also the CPU smoke path (``--device cpu --sizes tiny``).
+
+Default: ``ours-z3`` (bf16), ``fsdp2`` (bf16), the two TE FP8 runs; 1.3B, 2 repetitions, 8 timed
+steps. The summary after the table states the target: TE Float8CurrentScaling >= 1.2x the
+throughput of ``ours-z3`` at no higher peak memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from torch import nn
+
+from bench import impls, report, suite
+from bench.gpt import Block
+from bench.runtime import Env
+
+BLOCK_LINEARS = ("qkv", "proj", "fc1", "fc2")
+TARGET = ("ours-fp8-te-current", "ours-z3", 1.2)
+DEFAULT = ["ours-z3", "fsdp2", "ours-fp8-te-current", "ours-fp8-te-delayed"]
+
+
+class TeAutocast(nn.Module):
+    """Runs the wrapped model's forward under ``te.autocast(recipe)`` (the backward follows it)."""
+
+    def __init__(self, model: nn.Module, recipe: Any) -> None:
+        super().__init__()
+        self.model, self.recipe = model, recipe
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        import transformer_engine.pytorch as te
+        with te.autocast(recipe=self.recipe):
+            return self.model(tokens)
+
+
+class _CopyInit:
+    """A TE ``init_method`` that starts the weight from the bf16 model's value, then lets go of
+    it (TE keeps its init methods, which would keep the old weights alive)."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        self.source: torch.Tensor | None = source
+
+    def __call__(self, weight: torch.Tensor) -> None:
+        if self.source is None:
+            raise RuntimeError("this init method copies its source once (build a fresh model instead)")
+        with torch.no_grad():
+            weight.copy_(self.source)
+        self.source = None
+
+
+def _te_linears(module: nn.Module, recipe: Any, fp8_params: bool) -> None:
+    """Swap each block's linears for ``te.Linear`` with the same weights and biases."""
+    import transformer_engine.pytorch as te
+    init = (te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True) if fp8_params
+            else contextlib.nullcontext())
+    with init:
+        for block in module.blocks:  # type: ignore[union-attr]
+            for name in BLOCK_LINEARS:
+                old: nn.Linear = getattr(block, name)
+                new = te.Linear(old.in_features, old.out_features, params_dtype=old.weight.dtype,
+                                device=old.weight.device, init_method=_CopyInit(old.weight.detach()))
+                with torch.no_grad():
+                    new.bias.copy_(old.bias)
+                setattr(block, name, new)
+
+
+def _recipe(kind: str) -> Any:
+    from transformer_engine.common import recipe as r
+    return {"current": r.Float8CurrentScaling, "delayed": r.DelayedScaling}[kind]()
+
+
+def _fsdp(module: nn.Module, keep_transpose: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    import fsdp_impl
+    policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+    return fsdp_impl.fully_shard(module, torch.optim.AdamW(module.parameters(), lr=impls.LR),
+                                 fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params",
+                                 mixed_precision_policy=policy, keep_fp8_transpose_cache=keep_transpose)
+
+
+def _ours_te(kind: str, fp8_params: bool, keep: bool, module: nn.Module, env: Env
+             ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    recipe = _recipe(kind)
+    _te_linears(module, recipe, fp8_params)
+    model, opt = _fsdp(module, keep_transpose=keep)
+    return TeAutocast(model, recipe), opt
+
+
+def _ours_native(module: nn.Module, env: Env) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from fsdp_impl.fp8 import CurrentScaling, convert_to_fp8
+    convert_to_fp8(module, CurrentScaling(), module_filter=lambda name, m: name.startswith("blocks."), fp8_params=True)
+    return _fsdp(module, keep_transpose=True)
+
+
+_FP8 = "ZeRO-3, bf16 module, fp32 main params + grads, units = blocks, block linears"
+FP8_IMPLS = [
+    impls.Impl("ours-fp8-te-current", f"fsdp_impl {_FP8} te.Linear FP8 params (Float8CurrentScaling), keep transposes",
+               functools.partial(_ours_te, "current", True, True), torch.bfloat16, False,
+               needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
+    impls.Impl("ours-fp8-te-current-regather", f"fsdp_impl {_FP8} te.Linear FP8 params (Float8CurrentScaling), "
+               "FP8 bytes gathered again for the backward", functools.partial(_ours_te, "current", True, False),
+               torch.bfloat16, False, needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
+    impls.Impl("ours-fp8-te-delayed", f"fsdp_impl {_FP8} te.Linear FP8 params (DelayedScaling), keep transposes",
+               functools.partial(_ours_te, "delayed", True, True), torch.bfloat16, False,
+               needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
+    impls.Impl("ours-fp8-te-current-bf16params", f"fsdp_impl {_FP8} te.Linear bf16 params, FP8 compute (current)",
+               functools.partial(_ours_te, "current", False, False), torch.bfloat16, False,
+               needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
+    impls.Impl("ours-fp8-native-current", f"fsdp_impl {_FP8} Float8Linear FP8 params (torch-native current)",
+               _ours_native, torch.bfloat16, False, persistent_bytes=lambda w: 16.0 / w),
+]
+
+
+def register() -> None:
+    """Add the FP8 implementations to the suite's table (done in ``main`` only, so importing this
+    module leaves the suite's defaults alone)."""
+    for impl in FP8_IMPLS:
+        impls.IMPLS.setdefault(impl.name, impl)
+
+
+def target_line(rows: list[dict]) -> str:
+    """The acceptance target, per measured size: throughput ratio and peak memory."""
+    impl, ref, need = TARGET
+    cells = report.summarise(rows)
+    lines = []
+    for size in dict.fromkeys(c.size for c in cells):
+        a = next((c for c in cells if c.size == size and c.impl == impl), None)
+        b = next((c for c in cells if c.size == size and c.impl == ref), None)
+        if a is None or b is None:
+            lines.append(f"- {size}: {impl} vs {ref}: n/a (not both measured)")
+            continue
+        r = a.tok_s / b.tok_s
+        ok = r >= need and a.peak_gib <= b.peak_gib
+        lines.append(f"- {size}: {impl} / {ref} throughput {r:.3f}x (target >= {need}x), peak "
+                     f"{a.peak_gib:.2f} vs {b.peak_gib:.2f} GiB: {'met' if ok else 'NOT met'}")
+    return "\n".join(["", "FP8 target:", *lines])
+
+
+def main(argv: list[str] | None = None) -> int:
+    register()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    given = {a.split("=")[0] for a in argv}
+    defaults = {"--impls": ",".join(DEFAULT), "--reps": "2", "--steps": "8", "--out": "fp8_bench.jsonl"}
+    for flag, value in defaults.items():
+        if flag not in given:
+            argv += [flag, value]
+    args = suite.parse_args(argv)
+    code = suite.main(argv)
+    if os.environ.get("RANK", "0") == "0" and args.out.exists():
+        text = target_line(report.load(args.out))
+        print(text, flush=True)
+        if args.md is not None:
+            with args.md.open("a") as f:
+                f.write(text + "\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

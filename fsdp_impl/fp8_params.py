@@ -1,0 +1,336 @@
+"""FP8 parameters under the FSDP engine: sharded quantisation, FP8-byte gathers, the compute slots.
+
+An FP8 parameter (the weight of a ``Float8Linear`` built with ``fp8_params=True``, or a
+TransformerEngine weight built under ``te.quantized_model_init``) keeps its high-precision value
+only as the unit's fp32 main shard; its compute form is FP8 bytes (1 per element) plus scales
+that every rank derives identically. That is what the unit all-gathers instead of the
+compute-dtype copy (design: ``fsdp_impl/fp8/README.md``):
+
+* ``requantize`` (root pre-forward, for the units whose main weights changed, i.e. once per
+  optimisation step): each rank casts its main rows to the compute dtype, takes their partial
+  amaxes, one MAX all-reduce over the shard group makes them the full tensors' amaxes (not needed
+  for delayed scaling, whose scale is known before the cast), and each rank casts its rows into
+  the unit's persistent local FP8 segment. The bytes equal quantising the full compute weight.
+* gather: the unit's segment is ``[FP8 bytes | other params in the compute dtype]`` as uint8
+  (equal size on every rank), one all-gather; the FP8 params' byte planes are filled, the other
+  params unpacked as usual. With ``keep_fp8_transpose_cache=True`` the forward's transposed
+  copies stay until the unit's backward, whose gather then moves only the other params.
+* ``after_sync_backward``: the pending amaxes of every delayed-scaling quantizer (inputs, weights,
+  grads) of the model, one MAX all-reduce over the data-parallel group, then every history
+  advances: all ranks hold the same scales (a checkpoint of them resumes exactly).
+
+Deviation from "FP8 parameters need ZeRO-3": ZeRO-1/2 work too (the FP8 compute weights are
+persistent and refreshed by the same FP8-byte gather whenever the main weights changed), because
+seed-compatible callers run TE FP8 parameters with ZeRO-1/2; only no_shard is refused (nothing is
+gathered there, every rank would keep the full weight anyway).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
+
+from . import comm
+from .buffers import DataParallelBuffer
+from .fp8.linear import Float8Linear
+from .fp8.quantizer import DelayedQuantizer
+from .fp8.sharded import ShardedQuantization, ShardedWeight
+from .fp8.state import advance_all, delayed_quantizers, pack_pending, set_deferred
+from .fp8.tensor import Fp8Tensor
+from .fp8_te import TeFp8Param, free_storage, is_te_quantized, module_has_te_fp8_params, quantize_te
+from .param import ManagedParam
+from .policy import MixedPrecisionPolicy, ShardingStrategy
+from .sharding import FlatLayout, ParamSlot, shard_row_range
+
+_ALIGN = 16  # byte alignment of the two parts of a gather segment
+MAIN_DTYPES = (torch.float32, torch.float64)
+
+
+class Fp8Param(Protocol):
+    """One FP8 parameter of a unit: a 2-D weight sharded by rows like any param, whose compute
+    form is ``planes()`` (full-size ``(rows, cols)`` uint8 tensors) plus replicated scales."""
+
+    kind: str  # params of one kind are quantised in one call (one MAX all-reduce)
+    managed: ManagedParam
+    index: int  # position in the unit's params (its main shard's view in the weight buffer)
+    shape: tuple[int, int]
+
+    def planes(self) -> list[torch.Tensor]: ...
+
+    def filled(self, keep_transpose: bool) -> None: ...
+
+    def release(self, keep_transpose: bool) -> None: ...
+
+    def has_transpose(self) -> bool: ...
+
+
+class NativeFp8Param:
+    """The weight of a torch-native ``Float8Linear``: its bytes land in ``fp8_weight_slot``."""
+
+    kind = "native"
+
+    def __init__(self, managed: ManagedParam, index: int, module: Float8Linear, device: torch.device) -> None:
+        self.managed, self.index, self.module = managed, index, module
+        self.shape = (module.out_features, module.in_features)
+        self.data = torch.empty(self.shape, dtype=torch.uint8, device=device)
+        free_storage(self.data)
+        self.scale_inv: torch.Tensor | None = None  # the full tensor's grid, same on every rank
+        self.block = self.shape
+
+    def planes(self) -> list[torch.Tensor]:
+        return [self.data]
+
+    def filled(self, keep_transpose: bool) -> None:
+        if self.scale_inv is None:
+            raise RuntimeError(f"FP8 parameter {self.managed.fqn!r} was gathered before it was quantised")
+        slot = self.module.fp8_weight_slot
+        slot.keep_transpose = keep_transpose
+        slot.fill(Fp8Tensor(self.data.view(self.module.fp8_quantizers.weight.dtype), self.scale_inv, self.block))
+
+    def release(self, keep_transpose: bool) -> None:
+        self.module.fp8_weight_slot.release(keep_transpose)
+        free_storage(self.data)
+
+    def has_transpose(self) -> bool:
+        return self.module.fp8_weight_slot.has_transpose
+
+
+@dataclass
+class QuantizeItem:
+    """One FP8 param's share of a requantisation on this rank."""
+
+    param: Any  # an Fp8Param
+    shard: torch.Tensor  # this rank's rows of the main weight (2-D, main dtype; maybe empty)
+    row_start: int
+    out: list[torch.Tensor]  # per byte plane: this rank's rows in the local FP8 segment
+    compute: torch.dtype  # what the main rows are cast to before quantising
+
+
+def quantize_native(items: list[QuantizeItem], group: dist.ProcessGroup) -> None:
+    """``fsdp_impl.fp8.sharded``: partial amaxes, one MAX all-reduce (skipped when every weight
+    uses delayed scaling: its scale is known, the amaxes are reduced after the backward), casts."""
+    weights = [ShardedWeight(it.param.module.fp8_quantizers.weight, it.shard.to(it.compute), it.param.shape,
+                             it.row_start) for it in items]
+    plan = ShardedQuantization(weights)
+    amax = plan.amax_buffer()
+    if not all(isinstance(w.quantizer, DelayedQuantizer) for w in weights):
+        comm.all_reduce_max(amax, group)
+    for it, quantized in zip(items, plan.finish(amax), strict=True):
+        it.out[0].copy_(quantized.data.view(torch.uint8))
+        it.param.scale_inv, it.param.block = quantized.scale_inv, quantized.block
+
+
+QUANTIZE: dict[str, Callable[[list[QuantizeItem], dist.ProcessGroup], None]] = {
+    NativeFp8Param.kind: quantize_native,
+    TeFp8Param.kind: quantize_te,
+}
+
+
+def _allocate(t: torch.Tensor) -> None:
+    need = t.numel() * t.element_size()
+    if t.untyped_storage().size() != need:
+        t.untyped_storage().resize_(need)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _unpack_slot(rows: torch.Tensor, base: int, slot: ParamSlot, out: torch.Tensor) -> None:
+    """Copy one param out of gathered ``rows`` ([n, segment]) whose part starts at column ``base``."""
+    part = rows.narrow(1, base + slot.offset, slot.padded_numel)
+    out.view(-1).copy_(part.reshape(-1)[: out.numel()])
+
+
+class UnitFp8:
+    """The FP8 side of one unit: byte layout, persistent local FP8 shard, gather and unpack."""
+
+    def __init__(self, params: list[ManagedParam], fp8: list[Any], num_shards: int, rank: int,
+                 compute: torch.dtype, device: torch.device, keep_transpose: bool) -> None:
+        owned = [f.managed for f in fp8]
+        self.fp8_params = fp8
+        self.other_index = [i for i, p in enumerate(params) if all(p is not o for o in owned)]
+        self.other_params = [params[i] for i in self.other_index]
+        self.n, self.rank, self.compute, self.device = num_shards, rank, compute, device
+        self.keep_transpose = keep_transpose
+        self._plane_slots: list[list[int]] = []
+        shapes: list[tuple[int, int]] = []
+        for f in fp8:
+            self._plane_slots.append(list(range(len(shapes), len(shapes) + len(f.planes()))))
+            shapes += [f.shape] * len(f.planes())
+        self.fp8_layout = FlatLayout(shapes, num_shards)
+        self.other_layout = FlatLayout([p.layout_shape for p in self.other_params], num_shards)
+        self.fp8_local = torch.zeros(self.fp8_layout.segment_numel, dtype=torch.uint8, device=device)
+        self.fp8_bytes = _round_up(self.fp8_layout.segment_numel, _ALIGN)
+        self.other_nbytes = self.other_layout.segment_numel * torch.empty(0, dtype=compute).element_size()
+        self.other_bytes = _round_up(self.other_nbytes, _ALIGN)
+        self._with_fp8 = True  # does the gather in flight (a unit has at most one) carry FP8 bytes?
+
+    def owns(self, p: ManagedParam) -> bool:
+        return any(f.managed is p for f in self.fp8_params)
+
+    def quantize_items(self, weight: DataParallelBuffer) -> list[QuantizeItem]:
+        items = []
+        for f, slots in zip(self.fp8_params, self._plane_slots, strict=True):
+            start, _ = shard_row_range(f.shape[0], self.n, self.rank)
+            out = [self.fp8_layout.local_view(self.fp8_local, s, self.rank) for s in slots]
+            items.append(QuantizeItem(f, weight.local_view(f.index), start, out, self.compute))
+        return items
+
+    def _gathers_fp8(self) -> bool:
+        """False only in a backward whose forward kept every FP8 param's transposed copy.
+        Every rank runs the same control flow, so all ranks decide alike."""
+        in_backward = torch._C._current_graph_task_id() != -1
+        return not (in_backward and self.keep_transpose and all(f.has_transpose() for f in self.fp8_params))
+
+    def gather(self, weight: DataParallelBuffer, group: dist.ProcessGroup) -> torch.Tensor:
+        """All-gather ``[FP8 bytes | other params]`` (uint8, ``[n * segment]``) of the unit."""
+        self._with_fp8 = self._gathers_fp8()
+        fp8_bytes = self.fp8_bytes if self._with_fp8 else 0
+        segment = fp8_bytes + self.other_bytes
+        local = torch.zeros(segment, dtype=torch.uint8, device=self.device)
+        if self._with_fp8:
+            local[: self.fp8_layout.segment_numel].copy_(self.fp8_local)
+        others = local[fp8_bytes: fp8_bytes + self.other_nbytes].view(self.compute)
+        for j, i in enumerate(self.other_index):
+            self.other_layout.local_view(others, j, self.rank).copy_(weight.local_view(i))
+        gathered = torch.empty(segment * self.n, dtype=torch.uint8, device=self.device)
+        if segment:
+            comm.all_gather(gathered, local, group)
+        return gathered
+
+    def unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, FlatLayout, list[ManagedParam]]:
+        """Fill the FP8 params from a gather; return the other params' gathered values (compute
+        dtype, ``[n * segment]`` of ``other_layout``) for the unit to copy out as usual."""
+        fp8_bytes = self.fp8_bytes if self._with_fp8 else 0
+        rows = gathered.view(self.n, fp8_bytes + self.other_bytes)
+        if self._with_fp8:
+            for f, slots in zip(self.fp8_params, self._plane_slots, strict=True):
+                for data, s in zip(f.planes(), slots, strict=True):
+                    _allocate(data)
+                    _unpack_slot(rows, 0, self.fp8_layout.slots[s], data)
+                f.filled(self.keep_transpose)
+        others = rows.narrow(1, fp8_bytes, self.other_nbytes).contiguous().view(self.compute).reshape(-1)
+        return others, self.other_layout, self.other_params
+
+    def release(self, after_backward: bool) -> None:
+        """The unit resharded: free the FP8 bytes (the forward's transposes stay for the
+        backward with ``keep_fp8_transpose_cache``)."""
+        for f in self.fp8_params:
+            f.release(self.keep_transpose and not after_backward)
+
+
+class ModelFp8:
+    """What the engine drives once per step: requantisation and the delayed-scaling reduction."""
+
+    def __init__(self, group: dist.ProcessGroup, amax_group: dist.ProcessGroup,
+                 delayed: list[DelayedQuantizer]) -> None:
+        self.group = group  # shard group: the weights' partial amaxes
+        self.amax_group = amax_group  # all data-parallel ranks: activations' and grads' amaxes
+        self.delayed = delayed
+
+    def requantize(self, units: Sequence[Any]) -> None:
+        """Quantise the FP8 params of ``units`` (the units whose main weights changed; engine
+        unit order, identical on every rank) from their main shards."""
+        by_kind: dict[str, list[QuantizeItem]] = {}
+        for unit in units:
+            if unit.fp8 is not None:
+                for item in unit.fp8.quantize_items(unit.weight):
+                    by_kind.setdefault(item.param.kind, []).append(item)
+        if not by_kind:
+            return
+        with record_function("FSDP::fp8_requantize"), torch.no_grad():
+            for kind, items in by_kind.items():
+                QUANTIZE[kind](items, self.group)
+
+    def after_sync_backward(self) -> None:
+        """Delayed scaling: one MAX all-reduce of every pending amax, then advance all histories."""
+        if not self.delayed:
+            return
+        with record_function("FSDP::fp8_amax_reduce"), torch.no_grad():
+            packed = pack_pending(self.delayed)
+            comm.all_reduce_max(packed, self.amax_group)
+            advance_all(self.delayed, packed)
+
+
+# ------------------------------------------------------------------------- wrap time
+def _native_fp8_modules(module: nn.Module) -> list[tuple[str, Float8Linear]]:
+    return [(n, m) for n, m in module.named_modules() if isinstance(m, Float8Linear) and m.fp8_params]
+
+
+def has_fp8_params(module: nn.Module) -> bool:
+    """Whether ``module`` holds FP8 parameters (torch-native ``Float8Linear`` or TE quantized)."""
+    return bool(_native_fp8_modules(module)) or module_has_te_fp8_params(module)
+
+
+def check_fp8_params(module: nn.Module, strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
+                     keep_transpose: bool) -> None:
+    """Wrap-time checks of FP8 parameters (before anything is allocated)."""
+    native = _native_fp8_modules(module)
+    te = module_has_te_fp8_params(module)
+    if not native and not te:
+        if keep_transpose:
+            raise ValueError("keep_fp8_transpose_cache=True needs FP8 parameters (Float8Linear modules built "
+                             "with fp8_params=True, or TransformerEngine modules built under "
+                             "te.quantized_model_init); the module has none, so pass False")
+        return
+    names = [f"Float8Linear {n!r}" for n, _ in native[:3]] + (["TransformerEngine quantized weights"] if te else [])
+    what = f"FP8 parameters ({', '.join(names)})"
+    if strategy == ShardingStrategy.NO_SHARD:
+        raise ValueError(f"{what} are not supported with zero_dp_strategy='no_shard'/0: nothing is gathered "
+                         "there, every rank keeps the whole weight; allowed strategies: 'optim'/1, "
+                         "'optim_grads'/2, 'optim_grads_params'/3 (or build the model without FP8 parameters)")
+    if policy.main_params_dtype not in MAIN_DTYPES:
+        raise ValueError(f"{what} need high-precision main parameters: pass mixed_precision_policy="
+                         f"MixedPrecisionPolicy(main_params_dtype=torch.float32) (or torch.float64), got "
+                         f"main_params_dtype={policy.main_params_dtype}")
+    seen: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        seen.setdefault(id(p), name)
+    for name, m in native:
+        if isinstance(m.weight, DTensor):
+            raise ValueError(f"FP8 parameter {name}.weight is a tensor-parallel DTensor; FP8 parameters are "
+                             "not supported with tensor parallelism (use fp8_params=False)")
+        if seen[id(m.weight)] != (f"{name}.weight" if name else "weight"):
+            raise ValueError(f"FP8 parameter {name}.weight is tied to {seen[id(m.weight)]!r}; a tied weight "
+                             "cannot be an FP8 parameter (its other user reads the high-precision value)")
+
+
+def _fp8_param_of(p: ManagedParam, index: int, device: torch.device) -> Any | None:
+    if is_te_quantized(p.unsharded):
+        return TeFp8Param(p, index)
+    module, name = p.locations[0]
+    if isinstance(module, Float8Linear) and module.fp8_params and name == "weight":
+        if len(p.locations) > 1:
+            raise ValueError(f"FP8 parameter {p.fqn!r} is tied to another module; a tied weight cannot be "
+                             "an FP8 parameter")
+        free_storage(p.compute_local())  # never materialised: the module computes from its weight slot
+        return NativeFp8Param(p, index, module, device)
+    return None
+
+
+def unit_fp8(unit: Any, keep_transpose: bool) -> UnitFp8 | None:
+    """The FP8 side of a unit that has just sharded its params (``None``: no FP8 params)."""
+    ctx = unit.ctx
+    fp8 = [f for i, p in enumerate(unit.params) if (f := _fp8_param_of(p, i, ctx.device)) is not None]
+    if not fp8:
+        return None
+    return UnitFp8(unit.params, fp8, ctx.num_shards, ctx.layout_rank, unit.dtypes.compute, ctx.device,
+                   keep_transpose)
+
+
+def model_fp8(module: nn.Module, units: Sequence[Any], group: dist.ProcessGroup,
+              amax_group: dist.ProcessGroup) -> ModelFp8 | None:
+    """The model's ``ModelFp8`` (``None`` when it has neither FP8 params nor delayed-scaling FP8
+    modules). Delayed-scaling quantizers are deferred: the engine advances them once per step."""
+    delayed = delayed_quantizers(module)
+    if not delayed and all(u.fp8 is None for u in units):
+        return None
+    set_deferred(delayed)
+    return ModelFp8(group, amax_group, delayed)

@@ -1,0 +1,164 @@
+"""TransformerEngine FP8 parameters under the FSDP engine (import-guarded: nothing here imports
+TransformerEngine unless the model already did, i.e. holds TE modules).
+
+A TE module built under ``te.quantized_model_init(recipe)`` holds its weights as quantized
+tensors (``Float8Tensor`` for delayed/current scaling, ``Float8BlockwiseQTensor`` for block
+scaling, ``MXFP8Tensor`` for MXFP8) with the bf16 init values on the side when
+``preserve_high_precision_init_val=True``. The engine keeps the fp32 main shard itself (taken
+from those init values), and each such tensor stays the module's compute parameter: its byte
+planes (``_data``, or ``_rowwise_data`` [+ ``_columnwise_data`` for MXFP8], each ``(rows,
+cols)`` uint8) are the storage the unit's FP8 gather fills and frees. Scales are written on every
+rank by TE's own ``quantize_master_weights`` (partial amaxes, one MAX all-reduce over the shard
+group, local casts into this rank's byte rows), so they never travel in the gather.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # param.py imports this module
+    from .param import ManagedParam
+
+# class name -> (byte-plane attributes, index of the plane that is the backward's transposed
+# form, or None when the transpose is derived from the row-wise bytes after a gather)
+_PLANES: dict[str, tuple[tuple[str, ...], int | None]] = {
+    "Float8Tensor": (("_data",), None),
+    "Float8BlockwiseQTensor": (("_rowwise_data",), None),
+    "MXFP8Tensor": (("_rowwise_data", "_columnwise_data"), 1),
+}
+
+
+def _quantized_tensor_class() -> type | None:
+    """TE's ``QuantizedTensor`` if TE is already imported (a model with TE modules imported it)."""
+    module = sys.modules.get("transformer_engine.pytorch.quantized_tensor")
+    return getattr(module, "QuantizedTensor", None) if module is not None else None
+
+
+def is_te_quantized(tensor: Any) -> bool:
+    """True for a TE quantized tensor (an FP8 parameter of a TE module)."""
+    cls = _quantized_tensor_class()
+    return cls is not None and isinstance(tensor, cls)
+
+
+def module_has_te_fp8_params(module: torch.nn.Module) -> bool:
+    """True when a TE module was built under ``quantized_model_init`` (its weights are, or on the
+    meta device will become, quantized tensors)."""
+    return any(getattr(m, "primary_weights_in_fp8", False) for m in module.modules()) or any(
+        is_te_quantized(p) for p in module.parameters())
+
+
+def high_precision_value(param: torch.Tensor, fqn: str) -> torch.Tensor:
+    """The value the fp32 main copy starts from: TE's preserved bf16 init value (on the param's
+    device), else the dequantised FP8 value with a warning (its values are already rounded)."""
+    getter = getattr(param, "get_high_precision_init_val", None)
+    value = getter() if callable(getter) else None
+    if value is None:
+        warnings.warn(f"FP8 parameter {fqn!r} has no high-precision init value, so its fp32 main copy "
+                      "starts from the dequantised FP8 weight; build TE modules under "
+                      "te.quantized_model_init(..., preserve_high_precision_init_val=True)", stacklevel=3)
+        return param.dequantize().detach()
+    return value.to(param.device)
+
+
+def planes_of(tensor: Any, fqn: str) -> tuple[tuple[str, ...], int | None]:
+    """Byte-plane attributes of a TE quantized tensor; clear error for formats not supported."""
+    name = type(tensor).__name__
+    if name not in _PLANES:
+        raise NotImplementedError(
+            f"FP8 parameter {fqn!r} is a TransformerEngine {name}; fully_shard gathers FP8 parameters "
+            f"of {', '.join(sorted(_PLANES))} only (NVFP4 parameters are not supported); build the "
+            "module without quantized_model_init to keep bf16 parameters with FP8 compute")
+    return _PLANES[name]
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s memory, keeping the tensor object (and its shape) for a later refill."""
+    t.untyped_storage().resize_(0)
+
+
+class TeFp8Param:
+    """A TE quantized weight as one FP8 parameter of a unit (``fsdp_impl.fp8_params.Fp8Param``)."""
+
+    kind = "te"
+
+    def __init__(self, managed: ManagedParam, index: int) -> None:
+        tensor: Any = managed.unsharded  # a TE QuantizedTensor (nn.Parameter)
+        fields, transpose_plane = planes_of(tensor, managed.fqn)
+        if len(managed.layout_shape) != 2:
+            raise ValueError(f"FP8 parameter {managed.fqn!r} has shape {managed.layout_shape}; "
+                             "fully_shard gathers 2-D FP8 weights only")
+        self.managed, self.index, self.tensor = managed, index, tensor
+        self.shape = (managed.layout_shape[0], managed.layout_shape[1])
+        self.fields, self.transpose_plane = fields, transpose_plane
+        self.storage: list[torch.Tensor] = []
+        for field in fields:
+            data = getattr(tensor, field)
+            if data is None or tuple(data.shape) != self.shape or data.dtype != torch.uint8:
+                raise ValueError(f"FP8 parameter {managed.fqn!r}: {type(tensor).__name__}.{field} is "
+                                 f"{None if data is None else (tuple(data.shape), data.dtype)}, expected "
+                                 f"{self.shape} uint8 bytes")
+            self.storage.append(data)
+        clear = getattr(tensor, "clear_high_precision_init_val", None)
+        if callable(clear):
+            clear()  # the main copy holds it now
+
+    def planes(self) -> list[torch.Tensor]:
+        return self.storage
+
+    def attach(self) -> None:
+        """Point the tensor's byte planes at the engine's storage (freed or not)."""
+        for field, data in zip(self.fields, self.storage, strict=True):
+            setattr(self.tensor, field, data)
+
+    def filled(self, keep_transpose: bool) -> None:
+        """New bytes landed: drop stale transposes; with ``keep_transpose`` build them now (what
+        TE's ``post_all_gather_processing`` does: the transpose Hopper's GEMMs need)."""
+        self.attach()
+        _invalidate_transpose(self.tensor)
+        if keep_transpose:
+            from transformer_engine.pytorch.tensor.utils import post_all_gather_processing
+            post_all_gather_processing(self.tensor)
+
+    def release(self, keep_transpose: bool) -> None:
+        for plane, (field, data) in enumerate(zip(self.fields, self.storage, strict=True)):
+            if keep_transpose and plane == self.transpose_plane:
+                continue
+            free_storage(data)
+            setattr(self.tensor, field, None)
+        if not keep_transpose:
+            _invalidate_transpose(self.tensor)
+
+    def has_transpose(self) -> bool:
+        if self.transpose_plane is not None:
+            data = self.storage[self.transpose_plane]
+            return getattr(self.tensor, self.fields[self.transpose_plane]) is data and \
+                data.untyped_storage().size() > 0
+        if hasattr(self.tensor, "_transpose_invalid"):
+            return self.tensor._transpose is not None and not self.tensor._transpose_invalid
+        return getattr(self.tensor, "_columnwise_data", None) is not None
+
+
+def _invalidate_transpose(tensor: Any) -> None:
+    if hasattr(tensor, "_transpose_invalid"):  # Float8Tensor
+        tensor._transpose = None
+        tensor._transpose_invalid = True
+    elif type(tensor).__name__ == "Float8BlockwiseQTensor":
+        tensor._columnwise_data = None
+
+
+def quantize_te(items: list[Any], group: torch.distributed.ProcessGroup) -> None:
+    """Sharded quantisation of TE weights with TE's ``quantize_master_weights``: every rank casts
+    its main rows (as the compute dtype, as TE does) into its byte rows after one MAX all-reduce
+    of the partial amaxes per recipe; empty shards still join the reduction."""
+    from transformer_engine.pytorch.tensor.utils import quantize_master_weights
+    for item in items:
+        item.param.attach()
+    shards = [item.out[0].reshape(-1) if len(item.out) == 1 else tuple(o.reshape(-1) for o in item.out)
+              for item in items]
+    quantize_master_weights([item.param.tensor for item in items],
+                            [item.shard.reshape(-1) if item.shard.numel() else None for item in items],
+                            [item.row_start * item.param.shape[1] for item in items], group,
+                            fsdp_shard_model_weights=shards, manual_post_all_gather_processing=True)

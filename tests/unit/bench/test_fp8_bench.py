@@ -1,0 +1,32 @@
+"""bench/fp8_bench.py: the FP8 implementations join the suite's table only when asked, and the
+target line reads the medians and peaks right."""
+from __future__ import annotations
+
+from bench import fp8_bench, impls
+
+
+def _row(impl: str, tok: float, peak: float, rep: int = 1) -> dict:
+    return {"kind": "cell", "size": "1.3b", "impl": impl, "rep": rep, "tok_s_per_gpu": tok, "step_s": 1.0,
+            "peak_gib": peak, "rest_gib": 1.0, "build_gib": 1.0}
+
+
+def test_register_adds_fp8_impls_without_touching_the_defaults() -> None:
+    before = list(impls.DEFAULT_IMPLS)
+    fp8_bench.register()
+    try:
+        assert all(i.name in impls.IMPLS for i in fp8_bench.FP8_IMPLS)
+        assert list(impls.DEFAULT_IMPLS) == before
+        assert impls.unavailable_reason("ours-fp8-native-current", 2) is None
+    finally:
+        for impl in fp8_bench.FP8_IMPLS:
+            impls.IMPLS.pop(impl.name, None)
+
+
+def test_target_line_met_and_not_met() -> None:
+    met = fp8_bench.target_line([_row("ours-z3", 1000, 20.0), _row("ours-fp8-te-current", 1300, 19.0)])
+    assert "throughput 1.300x" in met and ": met" in met
+    slow = fp8_bench.target_line([_row("ours-z3", 1000, 20.0), _row("ours-fp8-te-current", 1100, 19.0)])
+    assert "NOT met" in slow
+    heavy = fp8_bench.target_line([_row("ours-z3", 1000, 20.0), _row("ours-fp8-te-current", 1300, 21.0)])
+    assert "NOT met" in heavy
+    assert "n/a" in fp8_bench.target_line([_row("ours-z3", 1000, 20.0)])
