@@ -26,21 +26,14 @@ from typing import IO, Any
 import pytest
 
 from harness import environment
-from harness.matrix import AXIS_PROPERTY_PREFIX, allowed_axes
+from harness.matrix import AXES_KEY, AXIS_PROPERTY_PREFIX, allowed_axes
+from harness.report.sidecar_format import SCHEMA, bucket_summary, sidecar_paths
 from harness.rerun import FLAKY_PROPERTY
 
-SCHEMA = "fsdp-harness-sidecar/1"
-SIDECAR_SUFFIX = ".harness.json"
-JOURNAL_SUFFIX = ".harness.jsonl"
 ENV_MUTANT = "HARNESS_MUTANT"
-# Outcomes, worst last (what one test record says).
+# Outcomes, as harness.report.junit_read names them.
 PASSED, FLAKY, XFAILED, SKIPPED, ERROR, FAILED = "passed", "flaky", "xfailed", "skipped", "error", "failed"
-
-
-def sidecar_paths(xml_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
-    """(final JSON, journal) for a JUnit path: ``results/L0.xml`` -> ``results/L0.harness.json(l)``."""
-    stem = xml_path.name[:-4] if xml_path.name.endswith(".xml") else xml_path.name
-    return xml_path.with_name(stem + SIDECAR_SUFFIX), xml_path.with_name(stem + JOURNAL_SUFFIX)
+_MESSAGE_CHARS = 300
 
 
 def _now() -> str:
@@ -60,6 +53,18 @@ def phase_outcome(reports: list[pytest.TestReport]) -> str:
     return PASSED
 
 
+def _one_line(report: pytest.TestReport) -> str:
+    """A failed or skipped report's one-line reason (skip reasons live in a (path, line, text) tuple)."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        text = str(longrepr[2])
+    else:
+        crash = getattr(longrepr, "reprcrash", None)
+        text = getattr(crash, "message", "") or report.longreprtext
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return (lines[0] if lines else "")[:_MESSAGE_CHARS]
+
+
 def record_of(reports: list[pytest.TestReport]) -> dict[str, Any]:
     """The sidecar entry of one test from its phase reports."""
     axes: dict[str, str] = {}
@@ -69,6 +74,9 @@ def record_of(reports: list[pytest.TestReport]) -> dict[str, Any]:
                 axes.setdefault(str(name)[len(AXIS_PROPERTY_PREFIX):], str(value))
     record: dict[str, Any] = {"outcome": phase_outcome(reports),
                               "duration_s": round(sum(r.duration for r in reports), 6), "axes": axes}
+    message = next((_one_line(r) for r in reports if r.failed or r.skipped), None)
+    if message:
+        record["message"] = message
     for rep in reports:
         ranks = getattr(rep, "harness_ranks", None)
         if ranks and "ranks" not in record:
@@ -133,6 +141,7 @@ class SidecarWriter:
         self.started = time.time()
         self.header: dict[str, Any] = {}
         self.expected: list[str] = []
+        self.expected_axes: dict[str, dict[str, str]] = {}
         self.phases: dict[str, list[pytest.TestReport]] = {}
         self.tests: dict[str, dict[str, Any]] = {}
         self.running: dict[str, float] = {}
@@ -157,9 +166,11 @@ class SidecarWriter:
     def _expect(self, ids: list[str]) -> None:
         if not self.expected:
             self.expected = list(ids)
-            self._event("collected", ids=self.expected)
+            self._event("collected", ids=self.expected, axes=self.expected_axes)
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.expected_axes = {item.nodeid: item.stash[AXES_KEY] for item in session.items
+                              if item.stash.get(AXES_KEY, None)}
         self._expect([item.nodeid for item in session.items])
 
     @pytest.hookimpl(optionalhook=True)
@@ -187,7 +198,8 @@ class SidecarWriter:
         for nodeid in list(self.phases):  # a crashed xdist worker's test: reported, never finished
             self._finish(nodeid)
         data = dict(self.header, finished=_now(), wall_s=round(time.time() - self.started, 3),
-                    exitstatus=int(exitstatus), complete=True, expected=self.expected, tests=self.tests,
+                    exitstatus=int(exitstatus), complete=True, expected=self.expected,
+                    expected_axes=self.expected_axes, tests=self.tests,
                     unfinished=sorted(self.running), buckets=bucket_summary(self.tests))
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
@@ -196,24 +208,6 @@ class SidecarWriter:
             self.journal.close()
             self.journal = None
         self.journal_path.unlink(missing_ok=True)
-
-
-def bucket_summary(tests: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per bucket label: world size, how often it started, start-up times, tests and their time."""
-    out: dict[str, dict[str, Any]] = {}
-    for record in tests.values():
-        bucket = record.get("bucket")
-        if not bucket:
-            continue
-        entry = out.setdefault(bucket["label"], {"label": bucket["label"], "world_size": bucket["world_size"],
-                                                 "starts": 0, "startup_s": [], "tests": 0, "duration_s": 0.0})
-        entry["tests"] += 1
-        entry["duration_s"] = round(entry["duration_s"] + record.get("wall_s", record["duration_s"]), 6)
-        if bucket.get("started"):
-            entry["starts"] += 1
-            if "startup_s" in bucket:
-                entry["startup_s"].append(bucket["startup_s"])
-    return list(out.values())
 
 
 def register(config: pytest.Config, mode: str) -> None:
