@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 import fsdp_impl
 from fsdp_impl import checkpoint
+from tests.functional import matrix_axes as axes
 from tests.functional.common.models import build_model, loss_fn, make_batch, unit_classes
 from tests.functional.common.reference import make_optimizer
 
@@ -296,26 +297,38 @@ CROSS_2_TO_4 = [  # (saved on 2 ranks, loaded on 4 ranks)
 ]
 
 
+def _case_axes(world: int, param: str = "case") -> pytest.MarkDecorator:
+    """The matrix cell of the Case ``param`` trained on ``world`` ranks (an HSDP case on a (2, world/2) mesh)."""
+    def mesh(outer: str | None) -> str:
+        return axes.mesh(world) if outer is None else axes.mesh(world // 2, outer=2)
+    return pytest.mark.matrix(mesh=axes.item(param, "outer", mesh), zero=axes.item(param, "strategy"),
+                              outer=axes.item(param, "outer"), model=axes.item(param, "model"), dtype="fp32")
+
+
 @pytest.mark.distributed(world_size=4, bucket="ckpt-save-ws4")
 @pytest.mark.parametrize("case", MATRIX, ids=str)
+@_case_axes(4)
 def test_save_uninterrupted_run(case: Case, dist_env: Any, session_shared_tmp_path: Path) -> None:
     run_and_record(case, dist_env, session_shared_tmp_path)
 
 
 @pytest.mark.distributed(world_size=2, bucket="ckpt-save-ws2")
 @pytest.mark.parametrize("case", SAVED_ON_2, ids=str)
+@_case_axes(2)
 def test_save_uninterrupted_run_on_2_ranks(case: Case, dist_env: Any, session_shared_tmp_path: Path) -> None:
     run_and_record(case, dist_env, session_shared_tmp_path)
 
 
 @pytest.mark.distributed(world_size=4, bucket="ckpt-resume-ws4", timeout=RESUME_TIMEOUT_S)
 @pytest.mark.parametrize("case", MATRIX, ids=str)
+@_case_axes(4)
 def test_resume_is_bit_exact(case: Case, dist_env: Any, session_shared_tmp_path: Path) -> None:
     resume_and_compare(case, 4, case, dist_env, session_shared_tmp_path, rtol=None)
 
 
 @pytest.mark.distributed(world_size=4, bucket="ckpt-resume-ws4", timeout=RESUME_TIMEOUT_S)
 @pytest.mark.parametrize("saved,loaded", CROSS_2_TO_4, ids=str)
+@_case_axes(4, "loaded")
 def test_resume_2_ranks_checkpoint_on_4_ranks(saved: Case, loaded: Case, dist_env: Any,
                                               session_shared_tmp_path: Path) -> None:
     resume_and_compare(saved, 2, loaded, dist_env, session_shared_tmp_path, rtol=CROSS_RTOL)
@@ -323,6 +336,7 @@ def test_resume_2_ranks_checkpoint_on_4_ranks(saved: Case, loaded: Case, dist_en
 
 @pytest.mark.distributed(world_size=2, bucket="ckpt-resume-ws2", timeout=RESUME_TIMEOUT_S)
 @pytest.mark.parametrize("saved,loaded", CROSS_4_TO_2, ids=str)
+@_case_axes(2, "loaded")
 def test_resume_4_ranks_checkpoint_on_2_ranks(saved: Case, loaded: Case, dist_env: Any,
                                               session_shared_tmp_path: Path) -> None:
     resume_and_compare(saved, 4, loaded, dist_env, session_shared_tmp_path, rtol=CROSS_RTOL)
@@ -330,5 +344,6 @@ def test_resume_4_ranks_checkpoint_on_2_ranks(saved: Case, loaded: Case, dist_en
 
 @pytest.mark.distributed(world_size=2, bucket="ckpt-resume-ws2", timeout=RESUME_TIMEOUT_S)
 @pytest.mark.parametrize("case", SAVED_ON_2, ids=str)
+@_case_axes(2)
 def test_resume_is_bit_exact_on_2_ranks(case: Case, dist_env: Any, session_shared_tmp_path: Path) -> None:
     resume_and_compare(case, 2, case, dist_env, session_shared_tmp_path, rtol=None)

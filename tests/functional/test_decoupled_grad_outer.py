@@ -36,6 +36,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_impl.clip_grad import clip_grad_norm
 from fsdp_impl.decoupled import local_tensor, optimizer_reads_decoupled_grad
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.test_decoupled_grad import (
     MAX_NORM,
     NORM_RTOL,
@@ -48,7 +50,10 @@ from tests.functional.test_decoupled_grad import (
 )
 from tests.functional.test_mesh_support import data_group, data_position, seed_kwargs, seed_mesh
 
-pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
+pytestmark = [
+    pytest.mark.distributed(world_size=4, timeout=600),
+    pytest.mark.matrix(mesh=axes.mesh(2, outer=2), model="decoupled_net", dtype="fp32"),
+]
 
 MESH_SHAPE = (2, 2, 1, 1)  # (dp_outer, dp_shard, cp, tp)
 CASES = [
@@ -106,6 +111,7 @@ def _rel(got: float, want: float) -> float:
 
 
 @pytest.mark.parametrize("strategy,outer", CASES)
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), outer=matrix.param("outer", axes.outer))
 class TestDecoupledGradOuter:
     def test_flags_agree_and_grads_after_sync(self, dist_env: Any, strategy: int, outer: str) -> None:
         model, optimizer, _, slot = _hybrid_setup(dist_env, strategy, outer)

@@ -15,9 +15,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.functional import mse_loss
 
 from fsdp_impl import MixedPrecisionPolicy, fully_shard
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.reference import max_relative_error
 
-pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
+pytestmark = [
+    pytest.mark.distributed(world_size=4, timeout=600),
+    pytest.mark.matrix(mesh=axes.mesh(2, cp=2), dtype="fp32"),
+]
 DIM = 2
 NUM_STEPS = 2
 
@@ -62,6 +67,8 @@ def _build(kind: str, meta: bool):
                          ids=["meta-compile-fp32main", "plain"])
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 @pytest.mark.parametrize("kind", ["cnn", "transformer"])
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), model=matrix.param("kind"),
+                    graph=matrix.param("common", lambda c: "compile" if c["compile"] else "eager"))
 def test_fully_shard_seed_style(kind, strategy, common, dist_env) -> None:
     if common["meta"] and strategy == "no_shard":
         pytest.skip("meta-device init is not supported (or needed) for no_shard")

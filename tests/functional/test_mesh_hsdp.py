@@ -22,13 +22,18 @@ import torch
 import torch.distributed as dist
 
 from fsdp_impl import fully_shard
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.collective_counter import CollectiveCounter, group_ranks
 from tests.functional.common.models import build_model, loss_fn, unit_classes
 from tests.functional.common.reference import global_batch, make_optimizer, train_reference
 from tests.functional.common.training import Microbatch, train_accumulating
 from tests.functional.test_mesh_support import data_position, full_params, relative_errors, seed_kwargs, seed_mesh
 
-pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
+pytestmark = [
+    pytest.mark.distributed(world_size=4, timeout=600),
+    pytest.mark.matrix(mesh=axes.mesh(2, outer=2), dtype="fp32"),
+]
 
 RTOL = 1e-5
 STEPS, MICRO, LOCAL = 3, 2, 4
@@ -146,15 +151,18 @@ def check_hfsdp(name: str, device: torch.device, shape: tuple[int, int, int, int
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 @pytest.mark.parametrize("name", ["cnn", "transformer"])
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), outer="no_shard", model=matrix.param("name"))
 def test_hsdp_parity_and_traffic(name: str, strategy: str, dist_env) -> None:
     check_hsdp(name, strategy, dist_env.device, HSDP_4)
 
 
 @pytest.mark.parametrize("name", ["cnn", "transformer"])
+@pytest.mark.matrix(zero="optim_grads_params", outer="optim", model=matrix.param("name"))
 def test_hfsdp_parity_and_traffic(name: str, dist_env) -> None:
     check_hfsdp(name, dist_env.device, HSDP_4)
 
 
+@pytest.mark.matrix(zero="optim_grads_params", outer="no_shard", model="cnn")
 def test_hsdp_adam_accumulation_matches_reference(dist_env) -> None:
     """Adam as the seed uses it (outer no_shard, inner ZeRO-3): losses and params."""
     mesh, model, opt = _wrap("cnn", 3, "no_shard", dist_env.device, opt_kind="adam")

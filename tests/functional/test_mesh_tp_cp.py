@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 
 from fsdp_impl import fully_shard
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.collective_counter import CollectiveCounter, group_ranks
 from tests.functional.common.models import build_model, loss_fn, unit_classes
 from tests.functional.common.reference import global_batch, make_optimizer
@@ -34,7 +36,10 @@ from tests.functional.test_mesh_support import (
     seed_mesh,
 )
 
-pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
+pytestmark = [
+    pytest.mark.distributed(world_size=4, timeout=600),
+    pytest.mark.matrix(dtype="fp32"),
+]
 
 RTOL = 1e-5
 STEPS, MICRO, SAMPLES_PER_DP, SEQ, D = 3, 2, 2, 4, 4
@@ -177,6 +182,8 @@ def check_tp(mesh_shape: Shape, outer: str | None, strategy: str, device: torch.
 @pytest.mark.parametrize("mesh_shape,outer", [((1, 2, 2, 1), None), ((2, 1, 2, 1), "no_shard"),
                                               ((2, 1, 2, 1), "optim")], ids=["fsdp", "hsdp", "hfsdp"])
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+@pytest.mark.matrix(mesh=matrix.param("mesh_shape", axes.mesh_shape), zero=matrix.param("strategy", axes.zero),
+                    outer=matrix.param("outer", axes.outer), model="token_model")
 def test_cp_sequence_chunks_match_full_sequence(mesh_shape, outer, strategy, dist_env) -> None:
     if outer == "optim" and strategy != "optim_grads_params":
         pytest.skip("outer 'optim' requires inner 'optim_grads_params'/3")
@@ -186,5 +193,7 @@ def test_cp_sequence_chunks_match_full_sequence(mesh_shape, outer, strategy, dis
 @pytest.mark.parametrize("mesh_shape,outer", [((1, 2, 1, 2), None), ((2, 1, 1, 2), "no_shard")],
                          ids=["fsdp_tp2", "hsdp_tp2"])
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+@pytest.mark.matrix(mesh=matrix.param("mesh_shape", axes.mesh_shape), zero=matrix.param("strategy", axes.zero),
+                    outer=matrix.param("outer", axes.outer), model="cnn")
 def test_tp_dim_replicates_plain_models(mesh_shape, outer, strategy, dist_env) -> None:
     check_tp(mesh_shape, outer, strategy, dist_env.device)

@@ -32,6 +32,7 @@ import os
 import pytest
 import torch
 
+from tests.functional import matrix_axes as axes
 from tests.functional.common.models import build_model
 from tests.functional.common.reference import OPTIMIZERS, max_relative_error, train_reference
 from tests.functional.common.training import RunConfig, train_fsdp
@@ -104,11 +105,15 @@ def _check_case(case: tuple[str, str, str, int, bool], dist_env) -> None:
 
 @pytest.mark.distributed(world_size=2, timeout=600)
 @pytest.mark.parametrize("case", _cases(), ids=_ids)
+@pytest.mark.matrix(mesh=axes.mesh(2), zero=axes.item("case", 0), model=axes.item("case", 1),
+                    dtype=axes.item("case", 2))
 def test_parity_world2(case, dist_env) -> None:
     _check_case(case, dist_env)
 
 
 @pytest.mark.distributed(world_size=4, timeout=600)
 @pytest.mark.parametrize("case", _cases(), ids=_ids)
+@pytest.mark.matrix(mesh=axes.mesh(4), zero=axes.item("case", 0), model=axes.item("case", 1),
+                    dtype=axes.item("case", 2))
 def test_parity_world4(case, dist_env) -> None:
     _check_case(case, dist_env)
