@@ -11,7 +11,7 @@ class MutantDoesNotApply(RuntimeError):
     """The mutant's target is missing, or the replacement would change nothing."""
 
 
-APPLIED: list[tuple[Any, str, Any]] = []  # (owner, attribute, replacement) of every patch made
+APPLIED: list[tuple[Any, str, Any, Any]] = []  # (owner, attribute, original, replacement) per patch
 
 
 def replace(target: str, make: Callable[[Any], Any]) -> None:
@@ -33,10 +33,17 @@ def replace(target: str, make: Callable[[Any], Any]) -> None:
     if replacement is original:
         raise MutantDoesNotApply(f"{target}: the replacement is the original")
     setattr(owner, name, replacement)
-    APPLIED.append((owner, name, replacement))
+    APPLIED.append((owner, name, original, replacement))
 
 
 def verify() -> list[str]:
     """Each applied patch is still in place (nothing re-imported or re-assigned it)."""
-    return [f"{owner!r}.{name} is no longer the mutant" for owner, name, new in APPLIED
+    return [f"{owner!r}.{name} is no longer the mutant" for owner, name, _, new in APPLIED
             if vars(owner).get(name) is not new]
+
+
+def undo() -> None:
+    """Restore every patched attribute (checks that apply several mutants in one interpreter)."""
+    while APPLIED:
+        owner, name, original, _ = APPLIED.pop()
+        setattr(owner, name, original)
