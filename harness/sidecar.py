@@ -27,7 +27,7 @@ import pytest
 
 from harness import environment
 from harness.matrix import AXES_KEY, AXIS_PROPERTY_PREFIX, allowed_axes
-from harness.report.sidecar_format import SCHEMA, bucket_summary, sidecar_paths
+from harness.report.sidecar_format import SCHEMA, bucket_summary, sidecar_paths, strip_xdist_group
 from harness.rerun import FLAKY_PROPERTY
 
 ENV_MUTANT = "HARNESS_MUTANT"
@@ -175,7 +175,7 @@ class SidecarWriter:
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
-        self._expect(ids)
+        self._expect([strip_xdist_group(i) for i in ids])
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:
         self.running[nodeid] = time.time()

@@ -37,14 +37,19 @@ from harness.report.junit_read import (
     suite_run_label,
     to_case,
 )
-from harness.report.sidecar_format import JOURNAL_SUFFIX, SIDECAR_SUFFIX, base_of, bucket_summary
+from harness.report.sidecar_format import (
+    JOURNAL_SUFFIX,
+    SIDECAR_SUFFIX,
+    base_of,
+    bucket_summary,
+    strip_xdist_group,
+)
 
 CRASHED_TYPE = "harness.crashed"  # the <error type> of a synthesised crash case in merged JUnit
 UNFINISHED_MESSAGE = ("started and never finished: the session ended without a result for this test "
                       "(a crash, a hang killed by a timeout, or a signal)")
 NOT_RUN_MESSAGE = "collected but never ran: the session ended before it (crash, hang, -x/--maxfail or interrupt)"
 MERGED_NAME = "harness-signoff merged"  # the merged JUnit's root name; directory scans skip such files
-_XDIST_GROUP_SUFFIX = re.compile(r"@[^@]*::ws\d+$")
 
 
 @dataclasses.dataclass
@@ -76,11 +81,6 @@ def mangle(nodeid: str) -> tuple[str, str]:
     names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
     names[-1] += bracket + params
     return ".".join(names[:-1]), names[-1]
-
-
-def _strip_group(nodeid: str) -> str:
-    """A node id as xdist's loadgroup scheduler announced it (``...@<bucket>::wsN``), without the group."""
-    return _XDIST_GROUP_SUFFIX.sub("", nodeid)
 
 
 def read_sidecar(base: pathlib.Path) -> dict[str, Any] | None:
@@ -183,7 +183,7 @@ def build_run(label: str, source: str, xml: PytestXml | None, sidecar: Mapping[s
         merged.append(_synthetic(run_label, nodeid, ERROR, UNFINISHED_MESSAGE, axes.get(nodeid), gating))
     done = seen | set(unfinished)
     for raw in sidecar.get("expected") or []:
-        nodeid = _strip_group(raw)
+        nodeid = strip_xdist_group(raw)
         if nodeid not in done and mangle(nodeid) not in reported and raw not in done:
             merged.append(_synthetic(run_label, nodeid, "not run", NOT_RUN_MESSAGE, axes.get(nodeid), gating))
             done.add(nodeid)

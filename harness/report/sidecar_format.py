@@ -19,12 +19,20 @@ per line with ``event`` = ``start`` (the header fields), ``collected`` (``ids``,
 from __future__ import annotations
 
 import pathlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
 SCHEMA = "fsdp-harness-sidecar/1"
 SIDECAR_SUFFIX = ".harness.json"
 JOURNAL_SUFFIX = ".harness.jsonl"
+_XDIST_GROUP_SUFFIX = re.compile(r"@[^@]*::ws\d+$")
+
+
+def strip_xdist_group(nodeid: str) -> str:
+    """A node id as xdist's loadgroup scheduler announces it (``...@<bucket>::wsN``), without the
+    bucket group the harness adds (reports carry the real node id)."""
+    return _XDIST_GROUP_SUFFIX.sub("", nodeid)
 
 
 def base_of(path: pathlib.Path) -> pathlib.Path | None:
