@@ -68,41 +68,47 @@ def _cell_title(m: MatrixView, row: tuple[str, ...], col: str, cases: list[TestC
 
 
 def heatmap(m: MatrixView) -> str:
-    """The matrix as an SVG grid: row-axis label columns, then one coloured cell per column value."""
+    """The matrix as an SVG grid: row-axis label columns, then one coloured cell per column value
+    (the column axis named above its values)."""
     widths = [_text_width([a, *(r[i] for r in m.rows)]) for i, a in enumerate(m.row_axes)]
-    left = sum(widths)
-    top = CELL_H + 4
-    width, height = left + CELL_W * len(m.columns) + 2, top + CELL_H * len(m.rows) + 2
+    col_w = [max(CELL_W, _text_width([c, *(cell.label for (_, cc), cell in m.cells.items() if cc == c)]))
+             for c in m.columns]
+    left, top = sum(widths), 2 * CELL_H + 4
+    width, height = left + sum(col_w) + 2, top + CELL_H * len(m.rows) + 2
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="heatmap" width="{width}" height="{height}" '
-             f'role="img" aria-label="configuration matrix heat map">']
+             f'role="img" aria-label="configuration matrix heat map">',
+             f'<text x="{left + sum(col_w) / 2}" y="{CELL_H - 6}" text-anchor="middle" '
+             f'font-weight="bold">{esc(m.column_axis or "")}</text>']
     x = 0
     for axis, w in zip(m.row_axes, widths, strict=True):
-        parts.append(f'<text x="{x + PAD}" y="{CELL_H - 6}" font-weight="bold">{esc(axis)}</text>')
+        parts.append(f'<text x="{x + PAD}" y="{2 * CELL_H - 6}" font-weight="bold">{esc(axis)}</text>')
         x += w
-    for j, col in enumerate(m.columns):
-        parts.append(f'<text x="{left + j * CELL_W + CELL_W / 2}" y="{CELL_H - 6}" text-anchor="middle" '
-                     f'font-weight="bold">{esc(f"{m.column_axis}={col}")}</text>')
+    xs = [left + sum(col_w[:j]) for j in range(len(m.columns))]
+    for col, cx, w in zip(m.columns, xs, col_w, strict=True):
+        parts.append(f'<text x="{cx + w / 2}" y="{2 * CELL_H - 6}" text-anchor="middle">{esc(col)}</text>')
     for i, row in enumerate(m.rows):
         y = top + i * CELL_H
         x = 0
         for value, w in zip(row, widths, strict=True):
             parts.append(f'<text x="{x + PAD}" y="{y + CELL_H - 6}">{esc(value)}</text>')
             x += w
-        for j, col in enumerate(m.columns):
-            cx = left + j * CELL_W
-            cell = m.cells.get((row, col))
-            if cell is None:
-                parts.append(f'<rect x="{cx}" y="{y}" width="{CELL_W - 2}" height="{CELL_H - 2}" fill="#fff" '
-                             f'stroke="#e0e0e0"><title>no test covers this cell</title></rect>')
-                continue
-            fill, ink = COLOURS[cell.outcome], "#000" if cell.outcome in DARK_TEXT else "#fff"
-            parts.append(f'<g class="cell" data-outcome="{esc(cell.outcome)}">'
-                         f'<rect x="{cx}" y="{y}" width="{CELL_W - 2}" height="{CELL_H - 2}" fill="{fill}">'
-                         f'{_cell_title(m, row, col, cell.cases, cell.outcome)}</rect>'
-                         f'<text x="{cx + (CELL_W - 2) / 2}" y="{y + CELL_H - 6}" text-anchor="middle" fill="{ink}" '
-                         f'pointer-events="none">{esc(cell.label)}</text></g>')
+        for col, cx, w in zip(m.columns, xs, col_w, strict=True):
+            parts.append(_heat_cell(m, row, col, cx, y, w - 2))
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _heat_cell(m: MatrixView, row: tuple[str, ...], col: str, x: float, y: float, w: float) -> str:
+    cell = m.cells.get((row, col))
+    if cell is None:
+        return (f'<rect x="{x}" y="{y}" width="{w}" height="{CELL_H - 2}" fill="#fff" stroke="#e0e0e0">'
+                "<title>no test covers this cell</title></rect>")
+    fill, ink = COLOURS[cell.outcome], "#000" if cell.outcome in DARK_TEXT else "#fff"
+    return (f'<g class="cell" data-outcome="{esc(cell.outcome)}">'
+            f'<rect x="{x}" y="{y}" width="{w}" height="{CELL_H - 2}" fill="{fill}">'
+            f"{_cell_title(m, row, col, cell.cases, cell.outcome)}</rect>"
+            f'<text x="{x + w / 2}" y="{y + CELL_H - 6}" text-anchor="middle" fill="{ink}" '
+            f'pointer-events="none">{esc(cell.label)}</text></g>')
 
 
 def legend() -> str:
