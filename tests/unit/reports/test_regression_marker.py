@@ -14,8 +14,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from harness.report import regression
-from harness.report.regressions import regression_rows
 from harness.report.junit_read import read_junit
+from harness.report.regressions import regression_rows
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 
