@@ -139,9 +139,39 @@ harness_python() {
     fi
 }
 
+# harness_marker_expr TIER EXPR...: print the one marker expression a script of TIER runs
+# with: the given -m expressions joined with "and", plus "not slow" in L0 and L1 (tests
+# marked slow run in L2 only). Empty when there is nothing to select on.
+harness_marker_expr() {
+    local tier=$1 part joined=""
+    shift
+    local -a parts=()
+    for part in "$@"; do
+        [ -n "$part" ] && parts+=("$part")
+    done
+    case "$tier" in
+        L0 | L1)
+            case " ${parts[*]-} " in
+                *" not slow "*) ;;
+                *) parts+=("not slow") ;;
+            esac
+            ;;
+    esac
+    for part in "${parts[@]+"${parts[@]}"}"; do
+        # a compound expression keeps its own meaning inside the conjunction
+        if [ "${#parts[@]}" -gt 1 ] && [[ "$part" == *" "* ]] && [ "$part" != "not slow" ]; then
+            part="($part)"
+        fi
+        joined=${joined:+$joined and }$part
+    done
+    printf '%s' "$joined"
+}
+
 # harness_run_pytest ARGS...: run pytest on the selection ARGS, writing JUnit XML to
-# ${HARNESS_OUT_DIR:-results}/<gen>/<script name>.xml. Exit code 5 (nothing selected)
-# counts as success with a warning.
+# ${HARNESS_OUT_DIR:-results}/<gen>/<script name>.xml. Every -m/--markexpr of ARGS and of
+# HARNESS_PYTEST_ARGS becomes one -m (pytest would use only the last), where the first one
+# stood, else before the selection; L0 and L1 add "not slow" to it (harness_marker_expr).
+# Exit code 5 (nothing selected) counts as success with a warning.
 harness_run_pytest() {
     local name=$HARNESS_SCRIPT_NAME out_dir xml python rc
     out_dir="${HARNESS_OUT_DIR:-results}/$HARNESS_GEN"
@@ -156,10 +186,38 @@ harness_run_pytest() {
             harness_log "WARNING: pytest-xdist not importable; running without -n"
         fi
     fi
-    local -a extra=()
+    local -a extra=() args=() marks=()
     # shellcheck disable=SC2206  # HARNESS_PYTEST_ARGS is a word list on purpose
     [ -n "${HARNESS_PYTEST_ARGS:-}" ] && extra=($HARNESS_PYTEST_ARGS)
-    cmd+=("$@" "${extra[@]}")
+    set -- "$@" "${extra[@]+"${extra[@]}"}"
+    local at=0 expr
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            -m | --markexpr)
+                if [ $# -lt 2 ]; then
+                    harness_log "ERROR: $1 needs a marker expression"
+                    return 2
+                fi
+                marks+=("$2")
+                shift
+                ;;
+            --markexpr=*) marks+=("${1#--markexpr=}") ;;
+            -m?*) marks+=("${1#-m}") ;;
+            *) args+=("$1") ;;
+        esac
+        shift
+        if [ ${#marks[@]} -eq 0 ]; then
+            at=${#args[@]} # the merged -m goes where the first one stood, else before the selection
+        fi
+    done
+    if [ ${#marks[@]} -eq 0 ]; then
+        at=0
+    fi
+    expr=$(harness_marker_expr "$HARNESS_TIER" "${marks[@]+"${marks[@]}"}")
+    if [ -n "$expr" ]; then
+        args=("${args[@]:0:at}" -m "$expr" "${args[@]:at}")
+    fi
+    cmd+=("${args[@]+"${args[@]}"}")
     harness_log "$HARNESS_GEN/$name: FP8_MATMUL=$HARNESS_CAP_FP8_MATMUL MXFP8=$HARNESS_CAP_MXFP8" \
         "GPUs=$HARNESS_GPU_COUNT xdist=$HARNESS_XDIST_WORKERS force_cpu=${HARNESS_FORCE_CPU:-0}"
     harness_log "running: $(printf '%q ' "${cmd[@]}")"

@@ -4,6 +4,8 @@
 #   launch_scripts/run_tier.sh L0|L1|L2 [--gen cpu|h100|h200|b200|gb200]
 #
 # The generation defaults to the one detected on this node (cpu when there is no GPU).
+# L0 and L1 deselect tests marked slow (every script's pytest call adds "not slow" to its
+# marker expression, see harness_run_pytest in common.sh); L2 runs them.
 # JUnit XML goes to ${HARNESS_OUT_DIR:-results}/<gen>/, the report to
 # ${HARNESS_OUT_DIR:-results}/signoff.md. Exit status: 0 when every script succeeded and
 # the sign-off verdict is PASS, 1 otherwise, 2 on bad usage.
@@ -61,6 +63,11 @@ if [ ${#scripts[@]} -eq 0 ]; then
     harness_log "ERROR: no active $tier scripts in launch_scripts/$gen/active/"
     exit 2
 fi
+
+case "$tier" in
+    L0 | L1) harness_log "tier $tier: tests marked slow are deselected (they run in L2)" ;;
+    L2) harness_log "tier L2: every test, slow ones included" ;;
+esac
 
 failed=()
 junit=()

@@ -23,7 +23,7 @@ from fsdp_impl.checkpoint import (
 )
 from harness import matrix
 from tests.functional import matrix_axes as axes
-from tests.functional.test_checkpoint_resume import Case, assert_same_state, full_state, train_step, wrap
+from tests.functional.common.checkpointing import Case, assert_same_state, full_state, train_step, wrap
 
 pytestmark = [
     pytest.mark.distributed(world_size=2),
@@ -56,7 +56,8 @@ def test_truncated_shard_found_by_another_rank_fails_everywhere(dist_env: Any, s
     _on_rank0(dist_env, lambda: os.truncate(victim, size - 7))
     fresh, fresh_opt = wrap(CNN, dist_env.device, seed=5)
     before = full_state(fresh, fresh_opt)
-    with pytest.raises(CheckpointCorruptedError, match=rf"__0_0.distcp is truncated: {size - 7} bytes, expected {size}"):
+    truncated = rf"__0_0.distcp is truncated: {size - 7} bytes, expected {size}"
+    with pytest.raises(CheckpointCorruptedError, match=truncated):
         checkpoint.load(path, fresh, fresh_opt)
     assert_same_state(full_state(fresh, fresh_opt), before, None, "after a refused load")
 

@@ -1,14 +1,11 @@
 """Decoupled gradients end to end: FSDP buffer, precision-aware optimizer and grad clipping.
 
 One switch (``use_decoupled_grad``) must set all three consistently. Every numeric check is
-against a single-process reference: the same model, unwrapped, trained on the concatenation of
-all ranks' micro-batches with ``torch.optim.AdamW`` and ``torch.nn.utils.clip_grad_norm_``.
-Each loss is a mean over samples, so the FSDP gradient (the average of per-rank gradients) equals
-the reference's full-batch gradient up to summation order.
+against a single-process reference (``common/decoupled.py``).
 
-The two regression tests are named after the Megatron-FSDP failures in
-shared/seeds/000 (a segfault clipping a None ``decoupled_grad``; a silent no-op step when the
-buffer wrote ``decoupled_grad`` but the optimizer read ``.grad``).
+The two regression tests are named after known Megatron-FSDP failures (a segfault clipping a
+None ``decoupled_grad``; a silent no-op step when the buffer wrote ``decoupled_grad`` but the
+optimizer read ``.grad``).
 
 Outer strategies (HSDP: dp_outer no_shard, HFSDP: dp_outer optim) are covered by
 ``test_decoupled_grad_outer.py``; this file covers inner strategies 0-3 on a 1-D mesh.
@@ -16,9 +13,6 @@ Outer strategies (HSDP: dp_outer no_shard, HFSDP: dp_outer optim) are covered by
 
 from __future__ import annotations
 
-import copy
-import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -33,143 +27,33 @@ from fsdp_impl.decoupled import local_tensor, optimizer_reads_decoupled_grad
 from fsdp_impl.optim import AdamW
 from harness import matrix
 from tests.functional import matrix_axes as axes
+from tests.functional.common.decoupled import (
+    LR,
+    MAX_NORM,
+    NORM_RTOL,
+    build,
+    global_batch,
+    local_batch,
+    loss_check_problem,
+    train_clipped,
+    train_clipped_reference,
+    wrap,
+)
 
 STRATEGIES = [0, 1, 2, 3]  # no_shard (Replicate grads), optim, optim_grads, optim_grads_params
 WORLDS = [
     pytest.param(2, marks=pytest.mark.distributed(world_size=2), id="ws2"),
     pytest.param(4, marks=pytest.mark.distributed(world_size=4), id="ws4"),
 ]
-STEPS = 5
-LR = 1e-2
-MAX_NORM = 0.05  # below the gradient norms seen here, so clipping really scales every step
-SAMPLES_PER_RANK = 4
-# fp32 throughout; FSDP sums gradients in a different order than the reference, so results agree
-# to fp32 rounding. Measured on CPU/gloo: norms and losses within 1.1e-7 relative; the
-# tolerances leave room for other reduction orders (NCCL) while a no-op or wrong step (losses off
-# by > 1e-2) still fails by orders of magnitude.
-NORM_RTOL = 1e-5
-LOSS_RTOL = 1e-4
 # bf16 main grads: every gradient element is rounded to 8 significant bits (2^-9 relative) and
 # reduced in bf16. Measured: norms within 1.1e-3, losses within 7.2e-5 relative of the fp32 run.
 BF16_NORM_RTOL = 1e-2
 BF16_LOSS_RTOL = 2e-3
 
 
-class DecoupledNet(nn.Module):
-    """Two hidden Linear layers and a 1-output head.
-
-    The head's weight (1, 16) and bias (1,) are smaller than the world, so with torch.chunk
-    sharding the trailing ranks hold empty shards of them.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(6, 16)
-        self.fc2 = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
-
-
-def _global_batch(step: int, world: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same batch every step: a healthy run's loss must then go down step after step."""
-    del step  # kept in the signature so a per-step data schedule is a one-line change
-    gen = torch.Generator().manual_seed(1234)
-    n = SAMPLES_PER_RANK * world
-    x = torch.randn(n, 6, generator=gen)
-    y = torch.randn(n, 1, generator=gen)
-    return x.to(device), y.to(device)
-
-
-def _local_batch(step: int, env: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = _global_batch(step, env.world_size, env.device)
-    rows = slice(env.rank * SAMPLES_PER_RANK, (env.rank + 1) * SAMPLES_PER_RANK)
-    return x[rows], y[rows]
-
-
-def _build(env: Any) -> tuple[nn.Module, nn.Module]:
-    """(module to wrap, identical reference copy), same weights on every rank."""
-    torch.manual_seed(0)
-    module = DecoupledNet().to(env.device)
-    return module, copy.deepcopy(module)
-
-
-def _wrap(env: Any, strategy: int, optimizer_kwargs: dict[str, Any] | None = None, **kwargs: Any
-          ) -> tuple[nn.Module, Any, nn.Module]:
-    module, ref = _build(env)
-    optimizer = AdamW(module.parameters(), lr=LR, use_decoupled_grad=True, **(optimizer_kwargs or {}))
-    model, optimizer = fully_shard(
-        module,
-        optimizer,
-        fsdp_unit_modules=[nn.Linear],
-        zero_dp_strategy=strategy,
-        use_decoupled_grad=True,
-        **kwargs,
-    )
-    return model, optimizer, ref
-
-
-def _global_mean(value: torch.Tensor) -> float:
-    total = value.detach().clone()
-    dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
-
-
-@dataclass
-class _Trace:
-    """What one training run produced, step by step."""
-
-    losses: list[float] = field(default_factory=list)
-    norms: list[float] = field(default_factory=list)
-
-
-def _train_fsdp(model: nn.Module, optimizer: Any, env: Any, steps: int = STEPS) -> _Trace:
-    trace = _Trace()
-    for step in range(steps):
-        x, y = _local_batch(step, env)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        trace.norms.append(clip_grad_norm(model, MAX_NORM).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        model.zero_grad()  # also resets the FSDP buffers when the optimizer was not wrapped
-        trace.losses.append(_global_mean(loss))
-    return trace
-
-
-def _train_reference(ref: nn.Module, env: Any, steps: int = STEPS) -> _Trace:
-    optimizer = torch.optim.AdamW(ref.parameters(), lr=LR)
-    trace = _Trace()
-    for step in range(steps):
-        x, y = _global_batch(step, env.world_size, env.device)
-        loss = F.mse_loss(ref(x), y)
-        loss.backward()
-        trace.norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        trace.losses.append(loss.item())
-    return trace
-
-
-def loss_check_problem(losses: list[float], reference: list[float], rtol: float = LOSS_RTOL) -> str | None:
-    """Why a run's losses fail "must decrease and match the reference", or None if they pass.
-
-    This is the detector for the silent no-op step (seed 2): a run whose optimizer never sees a
-    gradient keeps its initial loss, so it neither decreases nor follows the reference.
-    """
-    if len(losses) != len(reference):
-        return f"{len(losses)} losses for {len(reference)} reference losses"
-    if not all(math.isfinite(v) for v in losses):
-        return f"non-finite loss in {losses}"
-    if not losses[-1] < losses[0]:
-        return f"loss did not decrease: {losses}"
-    deviations = [abs(got - want) / abs(want) for got, want in zip(losses, reference, strict=True)]
-    worst = max(range(len(deviations)), key=deviations.__getitem__)
-    if deviations[worst] > rtol:
-        return (f"step {worst}: loss {losses[worst]!r} differs from the reference {reference[worst]!r} by "
-                f"{deviations[worst]:.2e} relative (rtol {rtol}); losses {losses} vs {reference}")
-    return None
+def flag_mismatch_regression(description: str) -> pytest.MarkDecorator:
+    """The regression marker of the optimizer/buffer flag mismatch (two tests guard it)."""
+    return pytest.mark.regression("decoupled-grad-flag-mismatch-silent-no-op", description=description)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -179,10 +63,10 @@ def loss_check_problem(losses: list[float], reference: list[float], rtol: float 
 class TestDecoupledGrad:
     def test_flags_agree(self, dist_env: Any, world: int, strategy: int) -> None:
         """Buffer, optimizer and clipping all use decoupled grads; .grad stays None."""
-        model, optimizer, _ = _wrap(dist_env, strategy)
+        model, optimizer, _ = wrap(dist_env, strategy)
         assert model.param_and_grad_buffer.use_decoupled_grad is True
         assert optimizer_reads_decoupled_grad(optimizer) is True
-        x, y = _local_batch(0, dist_env)
+        x, y = local_batch(0, dist_env)
         F.mse_loss(model(x), y).backward()
         assert all(p.grad is None for p in model.parameters())
         from_model = clip_grad_norm(model, 1e9).item()  # huge max_norm: nothing is scaled
@@ -193,20 +77,20 @@ class TestDecoupledGrad:
 
     def test_flags_agree_when_off(self, dist_env: Any, world: int, strategy: int) -> None:
         """The default setting: grads on .grad, a torch optimizer, clipping reads .grad."""
-        module, _ = _build(dist_env)
+        module, _ = build(dist_env)
         model, optimizer = fully_shard(module, torch.optim.AdamW(module.parameters(), lr=LR),
                                        fsdp_unit_modules=[nn.Linear], zero_dp_strategy=strategy)
         assert model.param_and_grad_buffer.use_decoupled_grad is False
         assert optimizer_reads_decoupled_grad(optimizer) is False
-        x, y = _local_batch(0, dist_env)
+        x, y = local_batch(0, dist_env)
         F.mse_loss(model(x), y).backward()
         assert all(getattr(p, "decoupled_grad", None) is None for p in model.parameters())
         from_model = clip_grad_norm(model, 1e9).item()
         assert from_model > 0 and from_model == clip_grad_norm(model.parameters(), 1e9).item()
 
     def test_decoupled_grads_present_after_sync(self, dist_env: Any, world: int, strategy: int) -> None:
-        model, _, _ = _wrap(dist_env, strategy)
-        x, y = _local_batch(0, dist_env)
+        model, _, _ = wrap(dist_env, strategy)
+        x, y = local_batch(0, dist_env)
         F.mse_loss(model(x), y).backward()
         owned = 0
         for name, p in model.named_parameters():
@@ -221,10 +105,10 @@ class TestDecoupledGrad:
         assert owned > 0 or dist_env.rank > 0  # rank 0 always owns the first shard of everything
 
     def test_clip_norm_matches_reference(self, dist_env: Any, world: int, strategy: int) -> None:
-        model, _, ref = _wrap(dist_env, strategy)
-        x, y = _local_batch(0, dist_env)
+        model, _, ref = wrap(dist_env, strategy)
+        x, y = local_batch(0, dist_env)
         F.mse_loss(model(x), y).backward()
-        gx, gy = _global_batch(0, dist_env.world_size, dist_env.device)
+        gx, gy = global_batch(0, dist_env.world_size, dist_env.device)
         F.mse_loss(ref(gx), gy).backward()
         norm = clip_grad_norm(model, MAX_NORM)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
@@ -235,9 +119,9 @@ class TestDecoupledGrad:
             torch.testing.assert_close(full, r.grad, rtol=NORM_RTOL, atol=1e-7, msg=f"clipped grad of {name}")
 
     def test_losses_match_reference(self, dist_env: Any, world: int, strategy: int) -> None:
-        model, optimizer, ref = _wrap(dist_env, strategy)
-        trace = _train_fsdp(model, optimizer, dist_env)
-        ref_trace = _train_reference(ref, dist_env)
+        model, optimizer, ref = wrap(dist_env, strategy)
+        trace = train_clipped(model, optimizer, dist_env)
+        ref_trace = train_clipped_reference(ref, dist_env)
         assert trace.norms == pytest.approx(ref_trace.norms, rel=NORM_RTOL), "clipped norms per step"
         problem = loss_check_problem(trace.losses, ref_trace.losses)
         assert problem is None, problem
@@ -250,19 +134,19 @@ class TestDecoupledGrad:
         Gradients reduced and stored in bf16 carry ~2^-9 relative rounding, so the run follows the
         fp32 reference only approximately (see BF16_NORM_RTOL / BF16_LOSS_RTOL).
         """
-        model, optimizer, ref = _wrap(
+        model, optimizer, ref = wrap(
             dist_env, strategy,
             optimizer_kwargs={"exp_avg_dtype": torch.bfloat16, "exp_avg_sq_dtype": torch.bfloat16},
             mixed_precision_policy=MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16),
         )
-        x, y = _local_batch(0, dist_env)
+        x, y = local_batch(0, dist_env)
         F.mse_loss(model(x), y).backward()
         for name, p in model.named_parameters():
             assert p.dtype == torch.float32 and p.decoupled_grad.dtype == torch.bfloat16, name
         optimizer.zero_grad()
         model.zero_grad()
-        trace = _train_fsdp(model, optimizer, dist_env)
-        ref_trace = _train_reference(ref, dist_env)
+        trace = train_clipped(model, optimizer, dist_env)
+        ref_trace = train_clipped_reference(ref, dist_env)
         state = optimizer.state[next(iter(model.parameters()))]
         assert state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg_sq"].dtype == torch.bfloat16
         assert trace.norms == pytest.approx(ref_trace.norms, rel=BF16_NORM_RTOL)
@@ -283,16 +167,16 @@ class TestRegressions:
         ),
     )
     def test_clip_with_empty_shards_and_missing_grads(self, dist_env: Any, world: int) -> None:
-        model, _, ref = _wrap(dist_env, 3)
+        model, _, ref = wrap(dist_env, 3)
         head_bias = model.module.head.bias
         assert head_bias.numel() == 1 < dist_env.world_size
         if dist_env.rank > 0:
             assert local_tensor(head_bias).numel() == 0, "test setup: trailing ranks hold empty shards"
         # Before any backward every decoupled_grad is None: nothing to clip, no crash.
         assert clip_grad_norm(model, MAX_NORM).item() == 0.0
-        x, y = _local_batch(0, dist_env)
+        x, y = local_batch(0, dist_env)
         F.mse_loss(model(x), y).backward()
-        gx, gy = _global_batch(0, dist_env.world_size, dist_env.device)
+        gx, gy = global_batch(0, dist_env.world_size, dist_env.device)
         F.mse_loss(ref(gx), gy).backward()
         model.module.fc1.weight.decoupled_grad = None  # a param without a gradient on every rank
         ref.fc1.weight.grad = None
@@ -304,48 +188,38 @@ class TestRegressions:
         assert norm.item() == pytest.approx(ref_norm.item(), rel=NORM_RTOL)
         assert local_tensor(head_bias.decoupled_grad).numel() == (1 if dist_env.rank == 0 else 0)
 
-    @pytest.mark.regression(
-        "decoupled-grad-flag-mismatch-silent-no-op",
-        description=(
-            "Megatron-FSDP wrote gradients to param.decoupled_grad while the optimizer read "
-            ".grad, so every step was a silent no-op; a mismatch must fail at wrap time"
-        ),
-    )
+    @flag_mismatch_regression("Megatron-FSDP wrote gradients to param.decoupled_grad while the optimizer read "
+                              ".grad, so every step was a silent no-op; a mismatch must fail at wrap time")
     def test_mismatched_flags_fail_at_wrap_time(self, dist_env: Any, world: int) -> None:
-        module, _ = _build(dist_env)
+        module, _ = build(dist_env)
         with pytest.raises(ValueError, match="decoupled gradients") as info:
             fully_shard(module, torch.optim.AdamW(module.parameters(), lr=LR), fsdp_unit_modules=[nn.Linear],
                         use_decoupled_grad=True)
         assert "AdamW" in str(info.value) and "use_decoupled_grad=True" in str(info.value)
-        module, _ = _build(dist_env)
+        module, _ = build(dist_env)
         with pytest.raises(ValueError, match="decoupled gradients"):
             fully_shard(module, AdamW(module.parameters(), lr=LR, use_decoupled_grad=True),
                         fsdp_unit_modules=[nn.Linear], use_decoupled_grad=False)
-        module, _ = _build(dist_env)
+        module, _ = build(dist_env)
         model = fully_shard_model(module, fsdp_unit_modules=[nn.Linear], use_decoupled_grad=True)
         with pytest.raises(ValueError, match="decoupled gradients"):
             fully_shard_optimizer(torch.optim.Adam(model.parameters(), lr=LR))
 
-    @pytest.mark.regression(
-        "decoupled-grad-flag-mismatch-silent-no-op",
-        description=(
-            "the 'loss must decrease and match the reference' check detects an optimizer that "
-            "sees no gradients (wrap-time check bypassed on purpose)"
-        ),
-    )
+    @flag_mismatch_regression("the 'loss must decrease and match the reference' check detects an optimizer that "
+                              "sees no gradients (wrap-time check bypassed on purpose)")
     def test_loss_check_detects_no_op_optimizer(self, dist_env: Any, world: int) -> None:
         # Healthy run: the check passes.
-        model, optimizer, ref = _wrap(dist_env, 3)
-        ref_trace = _train_reference(ref, dist_env)
-        healthy = _train_fsdp(model, optimizer, dist_env)
+        model, optimizer, ref = wrap(dist_env, 3)
+        ref_trace = train_clipped_reference(ref, dist_env)
+        healthy = train_clipped(model, optimizer, dist_env)
         assert loss_check_problem(healthy.losses, ref_trace.losses) is None
         # Mutated run: buffer decoupled, optimizer reading .grad, built directly on the shards so
-        # fully_shard_optimizer's wrap-time check never runs (as in the seed's setup).
-        module, _ = _build(dist_env)
+        # fully_shard_optimizer's wrap-time check never runs (as in Megatron-FSDP's failing setup).
+        module, _ = build(dist_env)
         model = fully_shard_model(module, fsdp_unit_modules=[nn.Linear], zero_dp_strategy=3,
                                   use_decoupled_grad=True)
         blind = torch.optim.AdamW(model.parameters(), lr=LR)
-        mutated = _train_fsdp(model, blind, dist_env)
+        mutated = train_clipped(model, blind, dist_env)
         problem = loss_check_problem(mutated.losses, ref_trace.losses)
         assert problem is not None, f"the detector missed a no-op optimizer: losses {mutated.losses}"
         assert "did not decrease" in problem or "differs from the reference" in problem

@@ -2,8 +2,8 @@
 
 Extends ``test_decoupled_grad.py`` (1-D meshes only) to a (dp_outer=2, dp_shard=2, cp=1, tp=1)
 mesh: inner strategies 1-3 with outer ``no_shard``, and inner 3 with outer ``optim``. The model,
-data, reference trainer and loss detector are imported from that file; only the data split
-differs: the 4 ranks of the hybrid (dp_outer x dp_shard) group each take a different slice of the
+data, reference trainer and loss detector are the shared ones (``common/decoupled.py``); only
+the data split differs: the 4 ranks of the hybrid (dp_outer x dp_shard) group each take a different slice of the
 global batch, by their position in that group (``data_position``), so the engine must average
 over dp_shard *and* dp_outer to reproduce the single-process reference trained on the union.
 
@@ -11,8 +11,8 @@ Checks per case: buffer, optimizer and clipping flags agree; after the sync back
 param has a DTensor ``decoupled_grad`` (non-zero wherever the local shard is non-empty) and no
 ``.grad``; ``fsdp_impl.clip_grad_norm`` gives the same norm on every rank and it equals
 ``torch.nn.utils.clip_grad_norm_`` on the reference; 5 AdamW steps (with clipping) follow the
-reference's losses. Tolerances are the existing file's: NORM_RTOL 1e-5, and LOSS_RTOL 1e-4
-through its ``loss_check_problem``.
+reference's losses. Tolerances are the 1-D suite's: NORM_RTOL 1e-5, and LOSS_RTOL 1e-4
+through ``loss_check_problem``.
 
 Measured on CPU/gloo (fp32, torch 2.13, 2 loaded cores), worst over the four cases and 5 steps:
 clipped norms within 1.2e-7 relative (the step-0 norm bit-identical to the reference), losses
@@ -38,17 +38,9 @@ from fsdp_impl.clip_grad import clip_grad_norm
 from fsdp_impl.decoupled import local_tensor, optimizer_reads_decoupled_grad
 from harness import matrix
 from tests.functional import matrix_axes as axes
-from tests.functional.test_decoupled_grad import (
-    MAX_NORM,
-    NORM_RTOL,
-    _global_batch,
-    _local_batch,
-    _train_fsdp,
-    _train_reference,
-    _wrap,
-    loss_check_problem,
-)
-from tests.functional.test_mesh_support import data_group, data_position, seed_kwargs, seed_mesh
+from tests.functional.common import decoupled
+from tests.functional.common.mesh import data_group, data_position, seed_kwargs, seed_mesh
+from tests.functional.common.numerics import max_loss_error
 
 pytestmark = [
     pytest.mark.distributed(world_size=4, timeout=600),
@@ -80,7 +72,7 @@ def _hybrid_setup(env: Any, strategy: int, outer: str) -> tuple[torch.nn.Module,
     mesh = seed_mesh(MESH_SHAPE, env.device.type)
     pos, size = data_position(data_group(mesh, outer))
     assert size == env.world_size, "test setup: all 4 ranks must see different data"
-    model, optimizer, ref = _wrap(env, strategy, **seed_kwargs(mesh, outer))
+    model, optimizer, ref = decoupled.wrap(env, strategy, **seed_kwargs(mesh, outer))
     return model, optimizer, ref, _DataSlot(pos, size, env.device)
 
 
@@ -106,10 +98,6 @@ def _same_on_all_ranks(value: float, device: torch.device) -> list[float]:
     return [g.item() for g in gathered]
 
 
-def _rel(got: float, want: float) -> float:
-    return abs(got - want) / abs(want)
-
-
 @pytest.mark.parametrize("strategy,outer", CASES)
 @pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), outer=matrix.param("outer", axes.outer))
 class TestDecoupledGradOuter:
@@ -118,7 +106,7 @@ class TestDecoupledGradOuter:
         assert model.param_and_grad_buffer.use_decoupled_grad is True
         assert optimizer_reads_decoupled_grad(optimizer) is True
         shard_ranks = _grad_shard_ranks(seed_mesh(MESH_SHAPE, dist_env.device.type), outer)
-        x, y = _local_batch(0, slot)
+        x, y = decoupled.local_batch(0, slot)
         F.mse_loss(model(x), y).backward()
         owned = 0
         for name, p in model.named_parameters():
@@ -127,7 +115,8 @@ class TestDecoupledGradOuter:
             assert grad is not None, f"{name}: decoupled_grad is None after sync on rank {dist_env.rank}"
             assert isinstance(grad, DTensor), f"{name}: decoupled_grad is {type(grad).__name__}, not a DTensor"
             assert grad.placements == p.placements and grad.device_mesh == p.device_mesh, name
-            assert sorted(grad.device_mesh.mesh.flatten().tolist()) == shard_ranks, f"{name}: grad mesh {grad.device_mesh}"
+            assert sorted(grad.device_mesh.mesh.flatten().tolist()) == shard_ranks, \
+                f"{name}: grad mesh {grad.device_mesh}"
             assert tuple(grad.placements) == _expected_dp_placements(outer, strategy), f"{name}: {grad.placements}"
             local = local_tensor(grad)
             assert local.shape == local_tensor(p).shape, name
@@ -143,32 +132,32 @@ class TestDecoupledGradOuter:
 
     def test_clip_norm_matches_reference(self, dist_env: Any, strategy: int, outer: str) -> None:
         model, _, ref, slot = _hybrid_setup(dist_env, strategy, outer)
-        x, y = _local_batch(0, slot)
+        x, y = decoupled.local_batch(0, slot)
         F.mse_loss(model(x), y).backward()
-        gx, gy = _global_batch(0, slot.world_size, dist_env.device)
+        gx, gy = decoupled.global_batch(0, slot.world_size, dist_env.device)
         F.mse_loss(ref(gx), gy).backward()
-        norm = clip_grad_norm(model, MAX_NORM).item()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item()
-        assert ref_norm > MAX_NORM, "test setup: the reference must actually clip"
+        norm = clip_grad_norm(model, decoupled.MAX_NORM).item()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), decoupled.MAX_NORM).item()
+        assert ref_norm > decoupled.MAX_NORM, "test setup: the reference must actually clip"
         norms = _same_on_all_ranks(norm, dist_env.device)
         assert all(n == norm for n in norms), f"ranks disagree on the norm: {norms}"
-        print(f"[measure] {strategy}/{outer} norm rel err {_rel(norm, ref_norm):.3e}")
-        assert norm == pytest.approx(ref_norm, rel=NORM_RTOL)
+        print(f"[measure] {strategy}/{outer} norm rel err {max_loss_error([norm], [ref_norm]):.3e}")
+        assert norm == pytest.approx(ref_norm, rel=decoupled.NORM_RTOL)
         for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
             full = p.decoupled_grad.full_tensor()
-            torch.testing.assert_close(full, r.grad, rtol=NORM_RTOL, atol=1e-7, msg=f"clipped grad of {name}")
+            torch.testing.assert_close(full, r.grad, rtol=decoupled.NORM_RTOL, atol=1e-7, msg=f"clipped grad of {name}")
 
     def test_losses_match_reference(self, dist_env: Any, strategy: int, outer: str) -> None:
         model, optimizer, ref, slot = _hybrid_setup(dist_env, strategy, outer)
-        trace = _train_fsdp(model, optimizer, slot)
-        ref_trace = _train_reference(ref, slot)
+        trace = decoupled.train_clipped(model, optimizer, slot)
+        ref_trace = decoupled.train_clipped_reference(ref, slot)
         for got, want in ((trace.norms, ref_trace.norms), (trace.losses, ref_trace.losses)):
-            print(f"[measure] {strategy}/{outer} max rel err {max(map(_rel, got, want)):.3e}")
-        assert trace.norms == pytest.approx(ref_trace.norms, rel=NORM_RTOL), "clipped norms per step"
+            print(f"[measure] {strategy}/{outer} max rel err {max_loss_error(got, want):.3e}")
+        assert trace.norms == pytest.approx(ref_trace.norms, rel=decoupled.NORM_RTOL), "clipped norms per step"
         for step, norm in enumerate(trace.norms):
             norms = _same_on_all_ranks(norm, dist_env.device)
             assert all(n == norm for n in norms), f"step {step}: ranks disagree on the norm: {norms}"
-        problem = loss_check_problem(trace.losses, ref_trace.losses)
+        problem = decoupled.loss_check_problem(trace.losses, ref_trace.losses)
         assert problem is None, problem
 
 
@@ -177,10 +166,10 @@ def test_wrong_data_split_is_detected(dist_env: Any) -> None:
     dp_outer replicas are wrongly fed the same data), the run leaves the reference's tolerance."""
     model, optimizer, ref, slot = _hybrid_setup(dist_env, 3, "no_shard")
     wrong = _DataSlot(0, slot.world_size, slot.device)
-    trace = _train_fsdp(model, optimizer, wrong)
-    ref_trace = _train_reference(ref, slot)
-    print(f"[measure] wrong split max rel err {max(map(_rel, trace.losses, ref_trace.losses)):.3e}")
-    assert trace.norms[0] != pytest.approx(ref_trace.norms[0], rel=NORM_RTOL), "norm blind to the split"
-    problem = loss_check_problem(trace.losses, ref_trace.losses)
+    trace = decoupled.train_clipped(model, optimizer, wrong)
+    ref_trace = decoupled.train_clipped_reference(ref, slot)
+    print(f"[measure] wrong split max rel err {max_loss_error(trace.losses, ref_trace.losses):.3e}")
+    assert trace.norms[0] != pytest.approx(ref_trace.norms[0], rel=decoupled.NORM_RTOL), "norm blind to the split"
+    problem = decoupled.loss_check_problem(trace.losses, ref_trace.losses)
     assert problem is not None, f"the detector missed a wrong data split: losses {trace.losses}"
     assert "differs from the reference" in problem or "did not decrease" in problem

@@ -1,5 +1,5 @@
 """Bad input to fully_shard fails early with a message naming the argument and allowed values;
-features of later issues raise NotImplementedError instead of being silently ignored."""
+features not implemented yet raise NotImplementedError instead of being silently ignored."""
 from __future__ import annotations
 
 import pytest
@@ -53,7 +53,8 @@ def test_outer_optim_needs_inner_3(inner, dist_env) -> None:
 
 def test_mesh_dim_names_that_do_not_exist(dist_env) -> None:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
-    with pytest.raises(ValueError, match=r"dp_shard_dim='dp' is not a dim of the device mesh; allowed values: \['dp_shard'\]"):
+    with pytest.raises(ValueError, match=r"dp_shard_dim='dp' is not a dim of the device mesh; "
+                                         r"allowed values: \['dp_shard'\]"):
         fully_shard(*_cnn_and_adam(), device_mesh=mesh, dp_shard_dim="dp")
     with pytest.raises(ValueError, match=r"tp_dim='tp' is not a dim"):
         fully_shard(*_cnn_and_adam(), device_mesh=mesh, dp_shard_dim="dp_shard", tp_dim="tp")
@@ -118,7 +119,8 @@ def test_meta_init_rejected_for_no_shard(dist_env) -> None:
 
 
 def test_meta_tensors_without_meta_init(dist_env) -> None:
-    with pytest.raises(ValueError, match=r"module has tensors on the meta device; pass init_model_with_meta_device=True"):
+    with pytest.raises(ValueError, match=r"module has tensors on the meta device; "
+                                         r"pass init_model_with_meta_device=True"):
         fully_shard_model(build_model("cnn", device="meta"))
 
 
@@ -141,13 +143,14 @@ def test_meta_module_without_reset_parameters(dist_env) -> None:
     (dict(cuda_graph_mode=True), r"cuda_graph_mode=True is not implemented yet"),
     (dict(keep_fp8_transpose_cache=True), r"keep_fp8_transpose_cache=True .* is not implemented yet"),
 ])
-def test_later_issue_features_raise_not_implemented(kwargs, match, dist_env) -> None:
+def test_unimplemented_features_raise_not_implemented(kwargs, match, dist_env) -> None:
     with pytest.raises(NotImplementedError, match=match):
         fully_shard(*_cnn_and_adam(), **kwargs)
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(mixed_precision_policy="bf16"), TypeError, r"mixed_precision_policy must be a fsdp_impl.MixedPrecisionPolicy"),
+    (dict(mixed_precision_policy="bf16"), TypeError,
+     r"mixed_precision_policy must be a fsdp_impl.MixedPrecisionPolicy"),
     (dict(use_decoupled_grad="yes"), TypeError, r"use_decoupled_grad must be True or False"),
     (dict(device_mesh="cpu"), TypeError, r"device_mesh must be a torch DeviceMesh or None"),
 ])

@@ -1,11 +1,9 @@
-"""Seed 004 (Megatron-FSDP's fully_shard test) ported to CPU: the same call signature (4-D mesh
+"""Megatron-FSDP's fully_shard test ported to CPU: the same call signature (4-D mesh
 with flattened dp_shard_cp, size-1 tp dim, nn.Transformer / CNN units, meta init + compile +
 fp32 main params, or none of them), the same accumulation check (grads absent before the sync
 microbatch, present after), plus a numeric check: after the step the params equal a
 single-process model that accumulated the same microbatches from the same initial weights."""
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -17,49 +15,20 @@ from torch.nn.functional import mse_loss
 from fsdp_impl import MixedPrecisionPolicy, fully_shard
 from harness import matrix
 from tests.functional import matrix_axes as axes
-from tests.functional.common.reference import max_relative_error
+from tests.functional.common.models import TOY_SIZE, build_toy, run_toy
+from tests.functional.common.numerics import max_relative_error
 
 pytestmark = [
     pytest.mark.distributed(world_size=4, timeout=600),
     pytest.mark.matrix(mesh=axes.mesh(2, cp=2), dtype="fp32"),
 ]
-DIM = 2
 NUM_STEPS = 2
 
 
-class ToyCNN(nn.Module):
-    """Convs whose input and output are (1, DIM, DIM), as in the seed."""
-
-    def __init__(self, channels: int = 3, layers: int = 2) -> None:
-        super().__init__()
-        self.channels = channels
-        self.cnn_layers = nn.ModuleList([nn.Conv2d(channels, channels, 3, padding="same") for _ in range(layers)])
-        self.dense = nn.Linear(channels, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.broadcast_to(1, self.channels, DIM, DIM)
-        for layer in self.cnn_layers:
-            x = layer(x)
-        return self.dense(x.permute(0, 2, 3, 1)).reshape(1, DIM, DIM)
-
-
-class ToyTransformer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.transformer = nn.Transformer(d_model=DIM, nhead=2, num_encoder_layers=2, num_decoder_layers=2,
-                                          dim_feedforward=8, dropout=0.0)
-        self.fc_out = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(self.transformer(x, y))
-
-
-def _build(kind: str, meta: bool):
-    torch.manual_seed(0)
-    with torch.device("meta" if meta else "cpu"):
-        if kind == "cnn":
-            return ToyCNN(), [nn.Conv2d, nn.Linear]
-        return ToyTransformer(), [nn.Transformer]
+def _build(kind: str, meta: bool) -> tuple[nn.Module, list[type[nn.Module]]]:
+    """The seed's toy model; the Transformer with a small feed-forward width (CPU speed)."""
+    kwargs = {"dim_feedforward": 8} if kind == "transformer" else {}
+    return build_toy(kind, "meta" if meta else "cpu", **kwargs)
 
 
 @pytest.mark.parametrize("common", [dict(fp32_main=True, meta=True, compile=True),
@@ -83,18 +52,17 @@ def test_fully_shard_seed_style(kind, strategy, common, dist_env) -> None:
             mixed_precision_policy=MixedPrecisionPolicy(
                 main_params_dtype=torch.float32 if common["fp32_main"] else None, main_grads_dtype=None),
             init_model_with_meta_device=common["meta"], report_nan_in_param_grad=True)
-        reference = copy.deepcopy(_build(kind, False)[0])
+        reference = _build(kind, False)[0]
         reference.load_state_dict({n[len("module."):]: p.full_tensor() for n, p in model.state_dict().items()})
         ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
         run = torch.compile(model, backend="aot_eager") if common["compile"] else model
         torch.manual_seed(1)  # same input on every rank, as the seed's shared toy input
-        toy_input, toy_target = torch.randn(1, DIM, DIM), torch.randn(1, DIM, DIM)
+        toy_input, toy_target = torch.randn(1, TOY_SIZE, TOY_SIZE), torch.randn(1, TOY_SIZE, TOY_SIZE)
         group = model.dist_index.get_fsdp_group()
         for step in range(NUM_STEPS):
             model.set_model_auto_sync(step == NUM_STEPS - 1)
-            args = (toy_input,) if kind == "cnn" else (toy_input, toy_input)
-            mse_loss(run(*args), toy_target).backward()
-            mse_loss(reference(*args), toy_target).backward()
+            mse_loss(run_toy(run, kind, toy_input), toy_target).backward()
+            mse_loss(run_toy(reference, kind, toy_input), toy_target).backward()
             grads_exist = any(isinstance(p.grad, torch.Tensor) and p.grad.to_local().count_nonzero().item() > 0
                               for p in model.parameters())
             gathered = [None] * group.size()

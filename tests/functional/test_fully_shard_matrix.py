@@ -1,4 +1,4 @@
-"""The seed's ``test_fully_shard`` matrix (shared/seeds/004), ported with numbers checked (issue 4).
+"""Megatron-FSDP's ``test_fully_shard`` matrix (the "seed" test), ported with numbers checked.
 
 model {CNN, Transformer, TE Transformer} x dp_shard strategy {0..3} x dp_outer {None, no_shard,
 optim} x mesh (dp_outer, dp_shard, cp, tp) {(2,2,2,1), (1,2,2,2), (2,2,1,2)} x {fp32 main params
@@ -26,9 +26,9 @@ Deviations from the seed, all for determinism or CPU speed: the toy Transformer 
 too; inductor compiles C++ per graph and per rank, too slow with 8 ranks on 2 cores) and
 ``inductor`` on CUDA.
 
-CPU cost (issue 4: under 15 min on 2 cores). The whole matrix is one 8-rank bucket, so start-up is
+CPU cost (the budget: under 15 min on 2 cores). The whole matrix is one 8-rank bucket, so start-up is
 paid once: runnable cases come first and skipped ones last, because the harness restarts a bucket
-whenever the next item is skip-marked. Per rank process, meshes are cached (test_mesh_support), the
+whenever the next item is skip-marked. Per rank process, meshes are cached (common/mesh.py), the
 single-process reference run is cached per (model, data group size, bit-identical initial params)
 since it does not depend on the strategy or mesh (9 runs instead of 96), and Dynamo's cache is
 kept across cases (no ``torch._dynamo.reset()``): later cases reuse the graphs (5 compiles per rank
@@ -36,8 +36,7 @@ in all), a counting backend asserts that compiled graphs ran in every compiled c
 the recompile limit raises instead of silently running eager.
 Measured 2026-11-30 (torch 2.13 CPU, shared 2-core box, load average 18-51): 96 passed, 120
 skipped; wall 3 min 51 s, 426 CPU-seconds (user 364 + sys 62; ~3.6 min on a quiet 2-core box).
-Before these changes: wall 15 min 46 s, 1290 CPU-seconds, with 39 cases failing early
-(an fsdp_impl change in progress), i.e. a full pass would have cost more.
+So every cell but ``FAST_CELL`` is marked slow: the L0/L1 tiers run one 8-rank cell, L2 all.
 """
 from __future__ import annotations
 
@@ -57,7 +56,7 @@ from torch.nn.functional import mse_loss
 from fsdp_impl import MixedPrecisionPolicy, fully_shard
 from harness import matrix
 from tests.functional import matrix_axes as axes
-from tests.functional.test_mesh_support import (
+from tests.functional.common.mesh import (
     assert_same_on_all_ranks,
     data_group,
     data_position,
@@ -67,6 +66,7 @@ from tests.functional.test_mesh_support import (
     sharded_max_error,
     sharded_model_error,
 )
+from tests.functional.common.models import TOY_MODELS, TOY_SIZE, build_toy, run_toy
 
 try:
     import transformer_engine as te  # noqa: F401
@@ -75,10 +75,12 @@ try:
 except ImportError:  # pragma: no cover - depends on the machine
     HAVE_TE = False
 
-pytestmark = [pytest.mark.distributed(world_size=8, timeout=600, bucket="fully_shard_matrix"),
-              pytest.mark.matrix(dtype="fp32")]
+pytestmark = [
+    pytest.mark.distributed(world_size=8, timeout=600, bucket="fully_shard_matrix"),
+    pytest.mark.matrix(dtype="fp32"),
+]
 
-DIM_SIZE, NUM_LAYERS, STEPS, MICRO = 2, 2, 3, 2
+STEPS, MICRO = 3, 2
 LOSS_RTOL, GRAD_RTOL, PARAM_RTOL = 1e-5, 1e-5, 1e-4
 # After step 0: the seed's d_model=2 LayerNorms normalise 2 elements, so grads react ~1e4x to
 # parameter differences (measured: 6e-8 param error -> 8.7e-4 grad error -> 1.7e-2 error in a
@@ -96,60 +98,15 @@ MESHES = ((2, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 2))
 CPU_COMPILE_BACKEND = os.environ.get("FSDP_MATRIX_CPU_COMPILE_BACKEND", "eager")
 COMMON = ({"fp32_main": True, "meta": True, "compile": True},
           {"fp32_main": False, "meta": False, "compile": False})
-
-
-class ToyCNN(nn.Module):
-    """The seed's toy CNN (high-rank params and inputs)."""
-
-    def __init__(self, channels: int = 3, size: int = DIM_SIZE, num_layers: int = NUM_LAYERS) -> None:
-        super().__init__()
-        self.channels, self.size = channels, size
-        self.cnn_layers = nn.ModuleList(
-            [nn.Conv2d(channels, channels, 3, padding="same") for _ in range(num_layers)])
-        self.dense = nn.Linear(channels, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.broadcast_to(1, self.channels, self.size, self.size)
-        for layer in self.cnn_layers:
-            x = layer(x)
-        x = x.transpose(1, 2).transpose(2, 3)
-        return self.dense(x).reshape(1, self.size, self.size)
-
-
-class ToyTransformer(nn.Module):
-    """The seed's toy Transformer (``nn.Transformer`` + head), with dropout 0."""
-
-    def __init__(self, model_dim: int = DIM_SIZE, num_heads: int = 2, num_layers: int = NUM_LAYERS) -> None:
-        super().__init__()
-        self.transformer = nn.Transformer(d_model=model_dim, nhead=num_heads, num_encoder_layers=num_layers,
-                                          num_decoder_layers=num_layers, dropout=0.0)
-        self.fc_out = nn.Linear(model_dim, DIM_SIZE)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(self.transformer(x, y))
-
-
-UNIT_CLASSES = {"cnn": [nn.Conv2d, nn.Linear], "transformer": [nn.Transformer]}  # the seed's fsdp_unit_modules
-
-
-def _build(model_type: str, device: str) -> tuple[nn.Module, list]:
-    torch.manual_seed(0)
-    with torch.device(device):
-        if model_type == "cnn":
-            return ToyCNN(), UNIT_CLASSES["cnn"]
-        if model_type == "transformer":
-            return ToyTransformer(), UNIT_CLASSES["transformer"]
-    raise ValueError(f"model_type {model_type!r} has no CPU build; allowed values: ['cnn', 'transformer']")
-
-
-def _run(model: nn.Module, model_type: str, x: torch.Tensor) -> torch.Tensor:
-    return model(x) if model_type == "cnn" else model(x, x)
+# The one cell the fast tiers run (every other cell is marked slow): HFSDP with ZeRO-3 on the
+# mesh with cp=2, eager (compile is covered on 4 ranks by test_engine_seed_compat.py).
+FAST_CELL = "cnn-optim_grads_params-outer_optim-mesh2221-eager"
 
 
 def _samples(step: int, micro: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The ``n`` (input, target) pairs of one microbatch, identical on every rank."""
     gen = torch.Generator().manual_seed(10_000 + 100 * step + micro)
-    return [(torch.randn(1, DIM_SIZE, DIM_SIZE, generator=gen), torch.randn(1, DIM_SIZE, DIM_SIZE, generator=gen))
+    return [(torch.randn(1, TOY_SIZE, TOY_SIZE, generator=gen), torch.randn(1, TOY_SIZE, TOY_SIZE, generator=gen))
             for _ in range(n)]
 
 
@@ -172,11 +129,13 @@ def _cases() -> list:
         if model_type == "te_transformer" and reason is None:
             reason = "te_transformer needs CUDA and the GPU suite (TE modules do not run on CPU)"
         marks = [pytest.mark.skip(reason=reason)] if reason else []
+        if cid != FAST_CELL:
+            marks.append(pytest.mark.slow)
         cases.append(pytest.param(model_type, strategy, outer, mesh, common, id=cid, marks=marks))
     # Runnable cases first, skipped ones last (stable sort): the harness tears a bucket down when
     # the next item is skip-marked (harness/controller.py ``same_next``), so interleaved skips
     # restarted the 8 ranks (imports, process groups, meshes, Dynamo caches) ~30 times.
-    return sorted(cases, key=lambda case: bool(case.marks))
+    return sorted(cases, key=lambda case: any(m.name == "skip" for m in case.marks))
 
 
 class _Reference:
@@ -184,13 +143,13 @@ class _Reference:
 
     def __init__(self, model_type: str, initial: dict[str, torch.Tensor]) -> None:
         self.model_type = model_type
-        self.model, _ = _build(model_type, "cpu")
+        self.model, _ = build_toy(model_type)
         self.model.load_state_dict(initial, strict=True)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=0.01)
 
     def microbatch(self, samples: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
         """Accumulate the grad of the sample-mean loss; return each sample's loss."""
-        losses = [mse_loss(_run(self.model, self.model_type, x), y) for x, y in samples]
+        losses = [mse_loss(run_toy(self.model, self.model_type, x), y) for x, y in samples]
         torch.stack(losses).mean().backward()
         return [loss.item() for loss in losses]
 
@@ -284,7 +243,7 @@ def _compiled(model: nn.Module, model_type: str, backend: Any) -> nn.Module:
     model with each unit module's ``forward`` compiled (hooks outside the compiled code)."""
     if not _old_dynamo():
         return torch.compile(model, backend=backend)
-    units = tuple(UNIT_CLASSES[model_type])
+    units = tuple(TOY_MODELS[model_type][1])
     for sub in model.module.modules():
         if isinstance(sub, units):
             sub.forward = torch.compile(type(sub).forward.__get__(sub), backend=backend)
@@ -298,7 +257,7 @@ def _backend(name: str) -> _CountingBackend:
 
 def _wrap(model_type: str, strategy: str, outer: str | None, mesh_shape: tuple, common: dict, device):
     mesh = seed_mesh(mesh_shape, device.type)
-    module, units = _build(model_type, "meta" if common["meta"] else "cpu")
+    module, units = build_toy(model_type, "meta" if common["meta"] else "cpu")
     if not common["meta"]:
         module = module.to(device)
     model, opt = fully_shard(
@@ -338,7 +297,7 @@ def _train_and_check(model: nn.Module, runner: nn.Module, opt: torch.optim.Optim
             sync = micro == MICRO - 1
             runner.set_model_auto_sync(sync)
             x, y = (t.to(device) for t in _samples(step, micro, n)[pos])
-            loss = mse_loss(_run(runner, model_type, x), y)
+            loss = mse_loss(run_toy(runner, model_type, x), y)
             loss.backward()
             ref_loss = expected.losses[step * MICRO + micro][pos]
             rtol = LOSS_RTOL if step == 0 else LATER_LOSS_RTOL

@@ -1,4 +1,4 @@
-"""Bad mesh input fails early with a message naming the argument and allowed values (issue 4):
+"""Bad mesh input fails early with a message naming the argument and allowed values:
 missing dims, a mesh that does not cover the world, dp_outer_dim / hybrid_fsdp_group given
 alone, a hybrid group of the wrong size, outer 'optim' with an inner strategy other than 3, and
 DTensor tensor-parallel params without a tp_dim or on a mesh that is not the tp dim. Also
@@ -15,8 +15,8 @@ from fsdp_impl import fully_shard, fully_shard_model
 from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common.collective_counter import group_ranks
+from tests.functional.common.mesh import seed_kwargs, seed_mesh
 from tests.functional.common.models import build_model, unit_classes
-from tests.functional.test_mesh_support import seed_kwargs, seed_mesh
 
 pytestmark = [
     pytest.mark.distributed(world_size=4, timeout=300),

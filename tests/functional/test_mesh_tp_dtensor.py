@@ -28,8 +28,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import fsdp_impl
 from harness import matrix
 from tests.functional import matrix_axes as axes
+from tests.functional.common.mesh import data_group, data_position, seed_kwargs, seed_mesh
+from tests.functional.common.numerics import max_loss_error, relative_error
 from tests.functional.common.training import train_accumulating
-from tests.functional.test_mesh_support import seed_kwargs, seed_mesh
 
 D, H, STEPS, MICRO, LOCAL = 8, 12, 3, 2, 4
 LOSS_RTOL, GRAD_RTOL, PARAM_RTOL = 1e-5, 1e-5, 1e-4
@@ -76,15 +77,6 @@ def _build(mesh: Any, meta: bool, seed: int = 0) -> tuple[nn.Module, dict[str, t
     return model, original
 
 
-def _data_slot(mesh: Any, outer: str | None) -> tuple[int, int]:
-    """(position, size) of this rank among the ranks that average grads together."""
-    if outer is not None:
-        group = mesh["hsdp"].get_group()
-    else:
-        group = mesh["dp_shard_cp"].get_group()
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def _batch(step: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + micro)
     return torch.randn(size * LOCAL, 5, generator=g), torch.randn(size * LOCAL, 3, generator=g)
@@ -92,10 +84,6 @@ def _batch(step: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor().detach().cpu() if isinstance(t, DTensor) else t.detach().cpu()
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
 
 
 def _check_placements(model: nn.Module, mesh: Any, outer: str | None, strategy: int) -> None:
@@ -151,7 +139,7 @@ def _train(fsdp_model: nn.Module, opt: Any, mesh: Any, outer: str | None, device
            first: int, steps: int, before_step: Callable[[int], None] | None = None) -> list[float]:
     """Steps ``first``.. of MICRO microbatches (no sync, then sync) on this rank's slice; the
     global losses."""
-    pos, size = _data_slot(mesh, outer)
+    pos, size = data_position(data_group(mesh, outer))
 
     def microbatches(step: int) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         out = []
@@ -173,23 +161,23 @@ def run_case(dist_env: Any, shape: tuple[int, int, int, int], strategy: int, out
     initial = {n: _full(p) for n, p in fsdp_model.module.named_parameters()}
     errors = {"init": 0.0, "loss": 0.0, "grad": 0.0, "param": 0.0}
     if original is not None:  # the sharded DTensors describe the original tensors exactly
-        errors["init"] = max(_rel(initial[n], original[n]) for n in original)
+        errors["init"] = max(relative_error(initial[n], original[n]) for n in original)
         assert errors["init"] == 0.0, "sharded params do not reassemble to the original model"
     ref = TPNet()
     ref.load_state_dict(initial)
-    ref_losses, ref_grads0, ref_params = _train_reference(ref, _data_slot(mesh, outer)[1])
+    ref_losses, ref_grads0, ref_params = _train_reference(ref, data_position(data_group(mesh, outer))[1])
 
     def check_grads(step: int) -> None:
         if step == 0:
             for n, p in fsdp_model.module.named_parameters():
                 assert p.grad is not None, f"{n}: no grad after the sync microbatch"
-                errors["grad"] = max(errors["grad"], _rel(_full(p.grad), ref_grads0[n]))
+                errors["grad"] = max(errors["grad"], relative_error(_full(p.grad), ref_grads0[n]))
 
     for step in range(STEPS):
         loss = _train(fsdp_model, opt, mesh, outer, dist_env.device, step, 1, check_grads)[0]
-        errors["loss"] = max(errors["loss"], abs(loss - ref_losses[step]) / abs(ref_losses[step]))
+        errors["loss"] = max(errors["loss"], max_loss_error([loss], [ref_losses[step]]))
         for n, p in fsdp_model.module.named_parameters():
-            errors["param"] = max(errors["param"], _rel(_full(p), ref_params[step][n]))
+            errors["param"] = max(errors["param"], relative_error(_full(p), ref_params[step][n]))
     print(f"[measure] tp-dtensor shape={shape} strategy={strategy} outer={outer} meta={meta} {errors}")
     assert errors["loss"] <= LOSS_RTOL, errors
     assert errors["grad"] <= GRAD_RTOL, errors
@@ -244,13 +232,13 @@ def test_tp_dtensor_checkpoint_resume(load_strategy: int, dist_env: Any, shared_
     resumed, ropt, _ = _wrap(mesh, load_strategy, None, seed=1)
     checkpoint.load(shared_tmp_path / "tp", resumed, ropt)
     got = _train(resumed, ropt, mesh, None, dist_env.device, 1, 2)
-    worst = max(_rel(_full(p), final[n]) for n, p in resumed.module.named_parameters())
+    worst = max(relative_error(_full(p), final[n]) for n, p in resumed.module.named_parameters())
     print(f"[measure] tp-dtensor resume strategy 3 -> {load_strategy}: losses {expected} vs {got}, "
           f"param error {worst:.3g}")
     if load_strategy == 3:
         assert got == expected and worst == 0.0
     else:
-        assert max(abs(a - b) / abs(a) for a, b in zip(expected, got, strict=True)) <= 1e-6 and worst <= 1e-6
+        assert max_loss_error(got, expected) <= 1e-6 and worst <= 1e-6
 
 
 @pytest.mark.distributed(world_size=4, timeout=300, bucket="mesh_tp_dtensor4")

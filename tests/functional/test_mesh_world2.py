@@ -1,8 +1,8 @@
-"""The mesh shapes of issue 4 on 2 ranks, so they run on a 2-GPU machine (NCCL, one GPU a rank).
+"""The mesh shapes on 2 ranks, so they run on a 2-GPU machine (NCCL, one GPU a rank).
 
 The 4-rank suites (``test_mesh_hsdp.py``, ``test_mesh_tp_cp.py``) need 4 GPUs under NCCL; these
-cases reuse their checks on the 2-rank meshes that still mean something, (dp_outer, dp_shard,
-cp, tp):
+cases run their checks (``common/mesh_checks.py``) on the 2-rank meshes that still mean
+something, (dp_outer, dp_shard, cp, tp):
 
 - HSDP (2,1,1,1), outer ``no_shard``, inner strategies 0..3: parity, and the dp_outer all-reduce
   only on the sync microbatch (one per unit with grads), nothing on other groups.
@@ -24,8 +24,7 @@ import pytest
 from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common.collective_counter import group_ranks
-from tests.functional.test_mesh_hsdp import check_hfsdp, check_hsdp
-from tests.functional.test_mesh_tp_cp import check_cp, check_tp, train_plain_cnn
+from tests.functional.common.mesh_checks import check_cp, check_hfsdp, check_hsdp, check_tp, train_plain_cnn
 
 pytestmark = [
     pytest.mark.distributed(world_size=2, timeout=300),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU_COUNT=8
 # CI_TIMEOUT=30
-# Tier L0 (every change): the known-bug regression tests of the functional suites.
+# Tier L0 (every change): the known-bug regression tests of the functional suites (not slow).
 # Generation b200: 8 GPUs; xdist workers: 4.
 set -euo pipefail
 # shellcheck source=../../common.sh source-path=SCRIPTDIR

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU_COUNT=4
 # CI_TIMEOUT=30
-# Tier L0 (every change): the known-bug regression tests of the functional suites.
+# Tier L0 (every change): the known-bug regression tests of the functional suites (not slow).
 # Generation gb200: 4 GPUs; xdist workers: 2.
 set -euo pipefail
 # shellcheck source=../../common.sh source-path=SCRIPTDIR

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU_COUNT=8
 # CI_TIMEOUT=20
-# Tier L0 (every change): the unit suites (pieces, policies, the harness's own behaviour).
+# Tier L0 (every change): the unit suites (pieces, policies, the harness's own behaviour), not slow.
 # Generation h100: 8 GPUs; xdist workers: 4.
 set -euo pipefail
 # shellcheck source=../../common.sh source-path=SCRIPTDIR

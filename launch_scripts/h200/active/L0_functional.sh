@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU_COUNT=2
 # CI_TIMEOUT=30
-# Tier L0 (every change): the known-bug regression tests of the functional suites.
+# Tier L0 (every change): the known-bug regression tests of the functional suites (not slow).
 # Generation h200: 2 GPUs (the device tool lends 1 or 2 H200s; more GPUs are fine); xdist workers: 2.
 set -euo pipefail
 # shellcheck source=../../common.sh source-path=SCRIPTDIR

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU_COUNT=2
 # CI_TIMEOUT=20
-# Tier L0 (every change): the issue-4 mesh shapes (HSDP, HFSDP, CP, TP-plain, plain) on 2 ranks.
+# Tier L0 (every change): the mesh shapes (HSDP, HFSDP, CP, TP-plain, plain) on 2 ranks, not slow.
 # Generation h200: 2 GPUs, one NCCL rank each (the 4-rank mesh suites need 4); xdist workers: 1
 # (the selection is one 2-rank bucket, which a second worker could not share).
 set -euo pipefail

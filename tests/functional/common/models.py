@@ -3,10 +3,12 @@
 Each model is built so that its eager init equals a meta-device build materialised in
 post-order with ``reset_parameters()`` (every initialiser lives in a submodule's reset method and
 submodules are registered in construction order), so one seed gives identical weights both ways.
-Each ``build_*`` returns ``(model, unit_classes, batch_fn)`` where ``batch_fn(n, generator)``
-makes ``(inputs_tuple, target)`` for ``n`` samples and ``loss_fn(output, target)`` is the model's
-``LOSS`` attribute. All losses are means over samples, so averaging per-rank grads equals the
-full-batch grad.
+``build_model(name)`` builds one by name, ``make_batch(name, n, seed)`` makes ``(inputs_tuple,
+target)`` for ``n`` samples and ``loss_fn(name)`` is its loss. All losses are means over samples,
+so averaging per-rank grads equals the full-batch grad.
+
+``ToyCNN`` and ``ToyTransformer`` are the toy models of Megatron-FSDP's ``fully_shard`` test (the
+"seed" test; ``build_toy``), used by the suites that port that test call for call.
 """
 from __future__ import annotations
 
@@ -179,6 +181,7 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
 
 
 def unit_classes(name: str) -> tuple:
+    """The ``fsdp_unit_modules`` of model ``name``."""
     return MODELS[name][1]
 
 
@@ -190,3 +193,63 @@ def make_batch(name: str, n: int, seed: int, dtype: torch.dtype = torch.float32)
 
 def loss_fn(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     return MODELS[name][0].loss
+
+
+TOY_SIZE = 2  # the seed's DIM_SIZE: inputs, outputs and the Transformer's d_model are 2 wide
+
+
+class ToyCNN(nn.Module):
+    """The seed's toy CNN: same-padded convs on a (1, channels, size, size) broadcast of the
+    input and a linear head over channels; high-rank params and inputs."""
+
+    def __init__(self, channels: int = 3, size: int = TOY_SIZE, num_layers: int = 2) -> None:
+        super().__init__()
+        self.channels, self.size = channels, size
+        self.cnn_layers = nn.ModuleList(
+            [nn.Conv2d(channels, channels, 3, padding="same") for _ in range(num_layers)])
+        self.dense = nn.Linear(channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.broadcast_to(1, self.channels, self.size, self.size)
+        for layer in self.cnn_layers:
+            x = layer(x)
+        return self.dense(x.permute(0, 2, 3, 1)).reshape(1, self.size, self.size)
+
+
+class ToyTransformer(nn.Module):
+    """The seed's toy ``nn.Transformer`` + linear head, with dropout 0 (random dropout masks
+    differ per rank, so parity would be meaningless). ``dim_feedforward`` defaults to
+    ``nn.Transformer``'s, as in the seed."""
+
+    def __init__(self, model_dim: int = TOY_SIZE, num_heads: int = 2, num_layers: int = 2,
+                 dim_feedforward: int = 2048) -> None:
+        super().__init__()
+        self.transformer = nn.Transformer(d_model=model_dim, nhead=num_heads, num_encoder_layers=num_layers,
+                                          num_decoder_layers=num_layers, dim_feedforward=dim_feedforward,
+                                          dropout=0.0)
+        self.fc_out = nn.Linear(model_dim, TOY_SIZE)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(self.transformer(x, y))
+
+
+TOY_MODELS: dict[str, tuple[type[nn.Module], list[type[nn.Module]]]] = {
+    "cnn": (ToyCNN, [nn.Conv2d, nn.Linear]),  # the seed's fsdp_unit_modules
+    "transformer": (ToyTransformer, [nn.Transformer]),
+}
+
+
+def build_toy(model_type: str, device: str = "cpu", **kwargs) -> tuple[nn.Module, list[type[nn.Module]]]:
+    """The seed's toy ``model_type`` built with ``torch.manual_seed(0)`` on ``device`` ("meta"
+    for meta init), and its unit classes."""
+    if model_type not in TOY_MODELS:
+        raise ValueError(f"model_type {model_type!r} has no CPU build; allowed values: {sorted(TOY_MODELS)}")
+    cls, units = TOY_MODELS[model_type]
+    torch.manual_seed(0)
+    with torch.device(device):
+        return cls(**kwargs), list(units)
+
+
+def run_toy(model: nn.Module, model_type: str, x: torch.Tensor) -> torch.Tensor:
+    """The seed's call: the CNN takes the input, the Transformer takes it as source and target."""
+    return model(x) if model_type == "cnn" else model(x, x)

@@ -42,13 +42,48 @@ def global_batch(model_name: str, step: int, global_size: int, dtype: torch.dtyp
     return make_batch(model_name, global_size, seed=1000 + step, dtype=dtype)
 
 
-def train_reference(model: nn.Module, model_name: str, opt_kind: str, steps: int, global_size: int,
-                    main_dtype: torch.dtype | None = None, lr: float = 1e-2
-                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train ``model`` on the full batch; return per-step losses and final (main) params by name.
+def piecewise_grads(model: nn.Module, named: list[tuple[str, nn.Parameter]], model_name: str,
+                 inputs: list[torch.Tensor], target: torch.Tensor, split: tuple[int, int],
+                 grad_dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The step's loss and grads computed piecewise as FSDP computes them: ``split = (ranks,
+    microbatches)`` cuts the batch into equal contiguous pieces (rank-major); each piece's grad of
+    ``loss / microbatches`` comes from its own forward/backward in the model's dtype, is cast to
+    ``grad_dtype``, summed over a rank's microbatches and averaged over ranks, in this fixed
+    order. ``split=(1, 1)`` is the plain full-batch grad."""
+    ranks, micro = split
+    n = target.shape[0]
+    assert n % (ranks * micro) == 0, f"a batch of {n} does not split into {ranks} ranks x {micro} microbatches"
+    size = n // (ranks * micro)
+    total = torch.zeros((), dtype=torch.float32, device=target.device)
+    grads: dict[str, torch.Tensor] = {}
+    for r in range(ranks):
+        rank_grads: dict[str, torch.Tensor] = {}
+        for m in range(micro):
+            piece = slice((r * micro + m) * size, (r * micro + m + 1) * size)
+            value = loss_fn(model_name)(model(*[x[piece] for x in inputs]), target[piece]) / micro
+            value.backward()
+            total += value.detach().float()
+            for name, p in named:
+                if p.grad is not None:
+                    g = p.grad.to(grad_dtype)
+                    rank_grads[name] = rank_grads[name] + g if name in rank_grads else g
+                    p.grad = None
+        for name, g in rank_grads.items():
+            grads[name] = grads[name] + g if name in grads else g
+    return total / ranks, {name: g / ranks for name, g in grads.items()}
 
-    Runs on the device ``model`` lives on (so a GPU run compares like kernels with like); the
-    returned params are on the CPU.
+
+def train_reference(model: nn.Module, model_name: str, opt_kind: str, steps: int, global_size: int,
+                    main_dtype: torch.dtype | None = None, lr: float = 1e-2, split: tuple[int, int] = (1, 1)
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train ``model`` on the global batches; return per-step losses and final (main) params by name.
+
+    ``split = (ranks, microbatches)`` computes each step's loss and grad piecewise, with the
+    arithmetic of FSDP (see ``piecewise_grads``); needed where the compute dtype is coarse: a bf16
+    full-batch grad is rounded once, FSDP's pieces are rounded each, and the two differ by
+    bf16 rounding (2^-9 relative per element), which Adam amplifies on small grads. Runs on the
+    device ``model`` lives on (so a GPU run compares like kernels with like); the returned params
+    are on the CPU.
     """
     compute_dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
@@ -64,27 +99,11 @@ def train_reference(model: nn.Module, model_name: str, opt_kind: str, steps: int
                 for (_, p), (_, m) in zip(named, masters, strict=True):
                     p.copy_(m)
         inputs, target = global_batch(model_name, step, global_size, compute_dtype)
-        inputs, target = [x.to(device) for x in inputs], target.to(device)
-        loss = loss_fn(model_name)(model(*inputs), target)
-        loss.backward()
-        if separate:
-            for (_, p), (_, m) in zip(named, masters, strict=True):
-                m.grad = None if p.grad is None else p.grad.to(main_dtype)
-                p.grad = None
+        loss, grads = piecewise_grads(model, named, model_name, [x.to(device) for x in inputs], target.to(device),
+                                   split, main_dtype if separate else compute_dtype)
+        for name, m in masters:
+            m.grad = grads.get(name)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses, {n: m.detach().cpu().clone() for n, m in masters}
-
-
-def max_relative_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
-                       ) -> tuple[float, str]:
-    """Largest per-tensor ``||a - e|| / ||e||`` and the name where it occurs."""
-    worst, where = 0.0, ""
-    for name, e in expected.items():
-        a = actual[name].to(torch.float64)
-        e = e.to(torch.float64)
-        err = ((a - e).norm() / e.norm().clamp_min(1e-12)).item()
-        if err > worst:
-            worst, where = err, name
-    return worst, where

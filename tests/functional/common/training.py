@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ContextManager
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ from .reference import global_batch, make_optimizer
 
 Microbatch = tuple[Sequence[torch.Tensor], torch.Tensor]  # (model inputs, target) on the device
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-Recorder = Callable[[int, int], ContextManager | None]
+Recorder = Callable[[int, int], AbstractContextManager | None]
 
 
 @dataclass
@@ -75,11 +75,12 @@ def train_accumulating(model: torch.nn.Module, opt: torch.optim.Optimizer, steps
 
 
 def train_fsdp(cfg: RunConfig, device: torch.device, model: torch.nn.Module | None = None,
-               **fsdp_kwargs) -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
+               record: Recorder | None = None, **fsdp_kwargs
+               ) -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
     """Train with FSDP; return the global per-step losses, full final params and the model.
 
-    ``model`` overrides the freshly built ``cfg.model`` (e.g. with frozen params); extra keyword
-    arguments go to ``fully_shard``.
+    ``model`` overrides the freshly built ``cfg.model`` (e.g. with frozen params); ``record`` is
+    ``train_accumulating``'s; extra keyword arguments go to ``fully_shard``.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     if model is None:
@@ -99,6 +100,6 @@ def train_fsdp(cfg: RunConfig, device: torch.device, model: torch.nn.Module | No
         return [([local_slice(x, m, micro) for x in inputs], local_slice(target, m, micro))
                 for m in range(cfg.microbatches)]
 
-    losses = train_accumulating(fsdp_model, opt, cfg.steps, microbatches, loss_fn(cfg.model), device)
+    losses = train_accumulating(fsdp_model, opt, cfg.steps, microbatches, loss_fn(cfg.model), device, record)
     final = {n: p.full_tensor().detach().cpu() for n, p in fsdp_model.module.named_parameters()}
     return losses, final, fsdp_model

@@ -53,7 +53,8 @@ def test_load_keeps_placements_and_moves_version_counters(mesh: DeviceMesh, tmp_
     dst, dst_opt = _sharded(1, mesh)
     versions = [p._version for p in dst.parameters()]
     checkpoint.load(tmp_path / "ck", dst, dst_opt)
-    assert all(p._version > v for p, v in zip(dst.parameters(), versions, strict=True)), "load must look like an in-place update"
+    assert all(p._version > v for p, v in zip(dst.parameters(), versions, strict=True)), \
+        "load must look like an in-place update"
     for a, b in zip(src.parameters(), dst.parameters(), strict=True):
         assert isinstance(b, DTensor) and b.placements == a.placements
         assert torch.equal(a.full_tensor(), b.full_tensor())
@@ -64,4 +65,5 @@ def test_load_keeps_placements_and_moves_version_counters(mesh: DeviceMesh, tmp_
             assert torch.equal(sa[key].full_tensor(), sb[key].full_tensor())
     _step(src, src_opt, 1.0)
     _step(dst, dst_opt, 1.0)
-    assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(src.parameters(), dst.parameters(), strict=True))
+    pairs = zip(src.parameters(), dst.parameters(), strict=True)
+    assert all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in pairs)

@@ -48,7 +48,8 @@ def test_bad_arguments_name_the_argument(tmp_path: Path) -> None:
 def test_optimizer_over_other_parameters_is_rejected(tmp_path: Path) -> None:
     t = _fresh()
     other = torch.optim.Adam([torch.nn.Parameter(torch.zeros(3))])
-    with pytest.raises(CheckpointMismatchError, match=r"param group 0, parameter 0 \(shape \(3,\)\) is not a parameter"):
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"param group 0, parameter 0 \(shape \(3,\)\) is not a parameter"):
         checkpoint.save(tmp_path / "x", t.model, other)
 
 
@@ -166,7 +167,8 @@ def test_mismatch_list_is_capped(tmp_path: Path) -> None:
     m = deep(1)
     checkpoint.save(tmp_path / "ck", m, torch.optim.SGD(m.parameters(), lr=0.1))
     m = deep(8)
-    with pytest.raises(CheckpointMismatchError, match=r"not in the checkpoint \(14\):(\n    .*){5}\n    \.\.\. and 9 more"):
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"not in the checkpoint \(14\):(\n    .*){5}\n    \.\.\. and 9 more"):
         checkpoint.load(tmp_path / "ck", m, torch.optim.SGD(m.parameters(), lr=0.1))
 
 
@@ -182,7 +184,8 @@ def test_group_membership_difference_is_reported(tmp_path: Path) -> None:
     two = [{"params": [m.fc1.weight, m.fc1.bias]}, {"params": [m.fc2.weight, m.fc2.bias]}]
     checkpoint.save(tmp_path / "ck", m, torch.optim.Adam(two))
     swapped = [{"params": [m.fc1.weight, m.fc2.bias]}, {"params": [m.fc2.weight, m.fc1.bias]}]
-    with pytest.raises(CheckpointMismatchError, match=r"group 0: parameter 'fc2.bias' is not in the checkpoint's group"):
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"group 0: parameter 'fc2.bias' is not in the checkpoint's group"):
         checkpoint.load(tmp_path / "ck", m, torch.optim.Adam(swapped))
 
 

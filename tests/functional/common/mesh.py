@@ -1,6 +1,7 @@
-"""Helpers shared by the mesh-shape suites (``test_mesh_*.py``, ``test_fully_shard_matrix.py``).
+"""Device meshes for the mesh-shape suites (``test_mesh_*.py``, ``test_fully_shard_matrix.py``,
+``test_decoupled_grad_outer.py``), and comparisons of sharded params with a reference.
 
-No tests live here. Meshes follow the seed's ``build_distributed_environment``: dims
+Meshes follow Megatron-FSDP's test (the "seed" test) ``build_distributed_environment``: dims
 ``(dp_outer, dp_shard, cp, tp)`` with the flattened ``dp`` (outer x shard), ``dp_shard_cp``
 (shard x cp) and ``hsdp`` (outer x shard x cp) dims. Building a mesh creates process groups (a
 collective on every rank, slow on gloo with 8 ranks), so each rank process caches one mesh per
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_impl.device import default_device_type
+
+from .numerics import model_relative_error, relative_error
 
 DIMS = ("dp_outer", "dp_shard", "cp", "tp")
 
@@ -62,14 +65,6 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().float().cpu().clone() for n, p in model.module.named_parameters()}
 
 
-def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for n, p in model.module.named_parameters():
-        if p.grad is not None:
-            out[n] = p.grad.full_tensor().detach().float().cpu().clone()
-    return out
-
-
 def comm_device() -> torch.device:
     """Where small check tensors must live for the default group's backend (NCCL: the GPU)."""
     return torch.device(default_device_type())
@@ -87,22 +82,6 @@ def assert_same_on_all_ranks(tensors: dict[str, torch.Tensor], what: str) -> Non
     assert spread <= 1e-6 * max(1.0, flat.abs().max().item()), f"{what} differ across ranks by {spread:.3g}"
 
 
-def relative_errors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """Largest per-tensor ``||a-e|| / max(||e||, 1e-6)`` and where."""
-    assert set(actual) == set(expected), f"names differ: {sorted(set(actual) ^ set(expected))}"
-    worst, where = 0.0, ""
-    for n, e in expected.items():
-        err = ((actual[n].double() - e.double()).norm() / e.double().norm().clamp_min(1e-6)).item()
-        if err > worst:
-            worst, where = err, n
-    return worst, where
-
-
-def losses_close(actual: list[float], expected: list[float], rtol: float) -> bool:
-    return all(abs(a - b) <= rtol * max(abs(b), 1e-6) for a, b in zip(actual, expected, strict=True)) and \
-        len(actual) == len(expected)
-
-
 def _reference_local(p: Any, full: torch.Tensor) -> torch.Tensor:
     """The part of ``full`` that DTensor ``p`` holds on this rank (``Shard(0)`` = torch.chunk
     semantics, trailing ranks may be empty; ``Replicate()`` = everything)."""
@@ -117,29 +96,41 @@ def _reference_local(p: Any, full: torch.Tensor) -> torch.Tensor:
     return local
 
 
-def sharded_max_error(model: torch.nn.Module, expected: dict[str, torch.Tensor], grads: bool = False
-                      ) -> tuple[float, str]:
-    """Largest per-tensor ``||local - expected_local|| / ||expected||`` over all ranks, comparing
-    each rank's local shards only (one all-reduce instead of one all-gather per param)."""
-    worst, where = 0.0, ""
-    names = []
+def _local_pairs(model: torch.nn.Module, expected: dict[str, torch.Tensor], grads: bool
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(this rank's local shards, the same part of ``expected``, the full expected tensors) by
+    name, for every param with a value (``grads``: a grad); the names must be ``expected``'s."""
+    local, ref_local, full = {}, {}, {}
     for n, p in model.module.named_parameters():
         t = p.grad if grads else p
         if t is None:
             assert n not in expected, f"{n}: no {'grad' if grads else 'value'} but the reference has one"
             continue
-        names.append(n)
-        e = expected[n].double()
-        local = t.to_local().detach().double().cpu()
-        ref_local = _reference_local(p, e)
-        assert local.shape == ref_local.shape, f"{n}: local shape {tuple(local.shape)} vs {tuple(ref_local.shape)}"
-        err = ((local - ref_local).norm() / e.norm().clamp_min(1e-6)).item()
+        assert n in expected, f"{n}: not in the reference"
+        full[n] = expected[n].double()
+        local[n], ref_local[n] = t.to_local().detach().double().cpu(), _reference_local(p, full[n])
+    return local, ref_local, full
+
+
+def _max_over_ranks(value: float) -> float:
+    agreed = torch.tensor([value], dtype=torch.float64, device=comm_device())
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return agreed.item()
+
+
+def sharded_max_error(model: torch.nn.Module, expected: dict[str, torch.Tensor], grads: bool = False
+                      ) -> tuple[float, str]:
+    """Largest per-tensor ``||local - expected_local|| / ||expected||`` over all ranks, comparing
+    each rank's local shards only (one all-reduce instead of one all-gather per param); the name
+    is this rank's worst."""
+    local, ref_local, full = _local_pairs(model, expected, grads)
+    assert local.keys() == expected.keys(), f"names differ: {sorted(local.keys() ^ expected.keys())}"
+    worst, where = 0.0, ""
+    for n in local:
+        err = relative_error(local[n], ref_local[n], scale=full[n])
         if err > worst:
             worst, where = err, n
-    assert sorted(names) == sorted(expected), f"names differ: {sorted(set(names) ^ set(expected))}"
-    agreed = torch.tensor([worst], dtype=torch.float64, device=comm_device())
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    return agreed.item(), where
+    return _max_over_ranks(worst), where
 
 
 def _gather_dim(p: Any) -> int | None:
@@ -185,16 +176,7 @@ def gathered_full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def sharded_model_error(model: torch.nn.Module, expected: dict[str, torch.Tensor], grads: bool = False) -> float:
-    """Whole-model ``||local diffs|| / ||expected||`` (all params together), max over ranks: not
-    dominated by near-zero tensors (e.g. LayerNorm biases) whose per-tensor error is noise."""
-    num, den = 0.0, 0.0
-    for n, p in model.module.named_parameters():
-        t = p.grad if grads else p
-        if t is None or n not in expected:
-            continue
-        e = expected[n].double()
-        num += ((t.to_local().detach().double().cpu() - _reference_local(p, e)) ** 2).sum().item()
-        den += (e ** 2).sum().item()
-    agreed = torch.tensor([(num / max(den, 1e-24)) ** 0.5], dtype=torch.float64, device=comm_device())
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    return agreed.item()
+    """Whole-model ``||local diffs|| / ||expected||`` (all params together, see
+    ``model_relative_error``), max over ranks."""
+    local, ref_local, full = _local_pairs(model, expected, grads)
+    return _max_over_ranks(model_relative_error(local, ref_local, scale=full))
