@@ -10,8 +10,8 @@ adds the records JUnit cannot hold:
 - a collected test that never reported is NOT RUN, counted apart from failures;
 - a run that left nothing at all (``--missing-run``) is an ERROR case of its own.
 
-A run under a ``flaky`` directory (``results/<gen>/flaky/<script>.xml``) is non-gating: its tests
-are reported and never decide the verdict.
+A quarantined run (``--flaky-junit``, or a ``flaky`` directory inside a scanned results tree) is
+non-gating: its tests are reported and never decide the verdict.
 """
 from __future__ import annotations
 
@@ -230,23 +230,28 @@ def _entries(paths: Sequence[str | pathlib.Path]) -> list[tuple[pathlib.Path, st
     return found
 
 
-def is_flaky_label(path: pathlib.Path, label: str) -> bool:
-    """A run from a ``flaky/`` directory (the launch scripts' quarantine): reported, never gating."""
-    return "flaky" in pathlib.PurePosixPath(label).parts[:-1] or path.parent.name == "flaky"
+def is_flaky_label(label: str) -> bool:
+    """A run found under a ``flaky/`` directory of a scanned results tree (the launch scripts'
+    quarantine, ``results/flaky/<gen>/<script>.xml``): reported, never gating."""
+    return "flaky" in pathlib.PurePosixPath(label).parts[:-1]
 
 
-def load_runs(paths: Iterable[str | pathlib.Path], missing: Iterable[str] = ()) -> list[Run]:
-    """Every run named by ``paths`` (JUnit files, sidecars or directories) plus ``missing`` labels."""
-    paths = list(paths)
-    if not paths and not list(missing):
+def load_runs(paths: Iterable[str | pathlib.Path], missing: Iterable[str] = (),
+              flaky: Iterable[str | pathlib.Path] = ()) -> list[Run]:
+    """Every run named by ``paths`` (JUnit files, sidecars or directories), the non-gating runs of
+    ``flaky`` (quarantined scripts) and one error run per ``missing`` label."""
+    paths, missing, flaky = list(paths), list(missing), list(flaky)
+    if not paths and not missing and not flaky:
         raise JunitError("no JUnit paths given")
     runs = []
-    for base, label, scanned in _entries(paths):
+    entries = [(e, True) for e in _entries(paths)] + [(e, False) for e in _entries(flaky)]
+    for (base, label, scanned), may_gate in entries:
         xml_path = base.with_name(base.name + ".xml")
         xml = parse_junit_file(xml_path) if xml_path.exists() else None
         if scanned and xml is not None and xml.name == MERGED_NAME:
             continue  # an earlier sign-off's merged copy of runs that are listed on their own
-        runs.append(build_run(label, str(xml_path), xml, read_sidecar(base), not is_flaky_label(base, label)))
+        gating = may_gate and not (scanned and is_flaky_label(label))
+        runs.append(build_run(label, str(xml_path), xml, read_sidecar(base), gating))
     runs.extend(missing_run(label) for label in missing)
     return runs
 

@@ -35,8 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "a QA sign-off: Markdown, self-contained HTML and JSON, with a PASS/FAIL verdict.",
         epilog="Exit status: 0 PASS, 1 FAIL, 2 bad input. A run in which nothing ran is not a PASS.")
     parser.add_argument("--junit", action="append", default=[], metavar="PATH",
-                        help="JUnit XML file, its sidecar/journal, or a directory of them (repeatable); a path "
-                             "under a 'flaky' directory is reported but never gates the verdict")
+                        help="JUnit XML file, its sidecar/journal, or a directory of them (repeatable); in a "
+                             "directory, runs under a 'flaky' subdirectory are reported but never gate the verdict")
+    parser.add_argument("--flaky-junit", action="append", default=[], metavar="PATH",
+                        help="JUnit of a quarantined (flaky) script: reported, never gating (repeatable)")
     parser.add_argument("--missing-run", action="append", default=[], metavar="LABEL",
                         help="a run that was expected but left no results; reported as an error (repeatable)")
     parser.add_argument("--baseline", nargs="+", action="extend", metavar="PATH",
@@ -81,20 +83,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.junit and not args.missing_run:
+    if not args.junit and not args.missing_run and not args.flaky_junit:
         parser.error("the following arguments are required: --junit")
     if args.diff_limit < 1:
         parser.error("--diff-limit must be >= 1")
     try:
-        runs = load_runs(args.junit, args.missing_run)
+        runs = load_runs(args.junit, args.missing_run, args.flaky_junit)
         baseline = [c for r in load_runs(args.baseline) if r.gating for c in r.cases] if args.baseline else None
         required = parse_required_regressions(args.require_regressions) if args.require_regressions else {}
         mutants = read_mutants(args.mutants) if args.mutants else None
     except JunitError as exc:
         print(f"harness-signoff: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    rep = build_report(args.title, runs, required, baseline, [*args.junit, *args.missing_run], args.baseline or (),
-                       args.diff_limit, mutants)
+    sources = [*args.junit, *(f"{p} (flaky)" for p in args.flaky_junit), *(f"{m} (missing)" for m in args.missing_run)]
+    rep = build_report(args.title, runs, required, baseline, sources, args.baseline or (), args.diff_limit, mutants)
     outputs = _outputs(args)
     if not outputs:
         sys.stdout.write(render_md.render(rep))

@@ -103,20 +103,23 @@ def test_a_mutant_run_is_never_a_signoff(tmp_path, capsys) -> None:
     assert "HARNESS_MUTANT=tests.mutants.catalogue:grads_summed" in report
 
 
-@pytest.mark.parametrize("flaky_dir", [True, False])
-def test_flaky_tests_are_reported_and_do_not_gate(tmp_path, capsys, flaky_dir) -> None:
+@pytest.mark.parametrize("source", ["flaky directory", "--flaky-junit", "rerun"])
+def test_flaky_tests_are_reported_and_do_not_gate(tmp_path, capsys, source) -> None:
     junit(tmp_path / "cpu" / "L0_unit.xml", case("test_ok"))
-    if flaky_dir:
-        junit(tmp_path / "cpu" / "flaky" / "L0_racy.xml", case("test_racy", FAIL))
+    args: list[object] = ["--junit", tmp_path]
+    if source == "flaky directory":
+        junit(tmp_path / "flaky" / "cpu" / "L0_racy.xml", case("test_racy", FAIL))
+    elif source == "--flaky-junit":
+        args += ["--flaky-junit", junit(tmp_path.parent / "quarantine" / "L0_racy.xml", case("test_racy", FAIL))]
     else:
         junit(tmp_path / "cpu" / "L0_more.xml", case("test_other"), case(
             "test_racy", '<properties><property name="harness_flaky" value="failed 1 of 2 attempts, then passed"/>'
                          "</properties>"))
-    code, report, _ = run_main(["--junit", tmp_path], capsys)
+    code, report, _ = run_main(args, capsys)
     assert code == signoff.EXIT_PASS, report
     flaky = table_rows(report, "## Flaky tests")
     assert [r["test"] for r in flaky] == ["`tests/functional/test_f.py::test_racy`"]
-    assert flaky[0]["source"] == ("flaky script" if flaky_dir else "rerun")
+    assert flaky[0]["source"] == ("rerun" if source == "rerun" else "flaky script")
 
 
 def test_a_flaky_test_never_counts_as_passed(tmp_path, capsys) -> None:
