@@ -27,10 +27,10 @@ import pytest
 
 from harness import environment
 from harness.matrix import AXES_KEY, AXIS_PROPERTY_PREFIX, allowed_axes
+from harness.mutant import ENV_MUTANT
 from harness.report.sidecar_format import SCHEMA, bucket_summary, sidecar_paths, strip_xdist_group
 from harness.rerun import FLAKY_PROPERTY
 
-ENV_MUTANT = "HARNESS_MUTANT"
 # Outcomes, as harness.report.junit_read names them.
 PASSED, FLAKY, XFAILED, SKIPPED, ERROR, FAILED = "passed", "flaky", "xfailed", "skipped", "error", "failed"
 _MESSAGE_CHARS = 300
@@ -195,8 +195,11 @@ class SidecarWriter:
             self._event("test_end", nodeid=nodeid, record=self.tests[nodeid])
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        for nodeid in list(self.phases):  # a crashed xdist worker's test: reported, never finished
-            self._finish(nodeid)
+        for nodeid, reports in list(self.phases.items()):
+            if any(r.failed for r in reports):  # a crashed xdist worker's test: reported failed, never finished
+                self._finish(nodeid)
+            else:  # interrupted mid-test: only its setup reported; it stays "unfinished"
+                self.running.setdefault(nodeid, time.time())
         data = dict(self.header, finished=_now(), wall_s=round(time.time() - self.started, 3),
                     exitstatus=int(exitstatus), complete=True, expected=self.expected,
                     expected_axes=self.expected_axes, tests=self.tests,

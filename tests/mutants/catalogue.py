@@ -200,11 +200,11 @@ def harness_rank0_outcome_only() -> None:
 F = "tests/functional/"
 MUTANTS = (
     Mutant("adam_dummy_step_on_load", "optimizer dummy step advances Adam's step count",
-           (F + "test_checkpoint_resume.py", "-k", "on_2_ranks")),
+           (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2")),
     Mutant("optimizer_state_dropped_on_load", "optimizer state dropped on load",
-           (F + "test_checkpoint_resume.py", "-k", "on_2_ranks")),
+           (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2")),
     Mutant("stale_weights_after_load", "stale compute weights after checkpoint load",
-           (F + "test_checkpoint_resume.py", "-k", "on_2_ranks")),
+           (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2")),
     Mutant("grads_summed_not_averaged", "grads summed instead of averaged",
            (F + "test_mesh_world2.py", "-k", "test_plain_fsdp_world2")),
     Mutant("hsdp_outer_reduce_every_microbatch", "HSDP outer reduce on every microbatch",
