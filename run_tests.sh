@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (README quick start, step 2; .ci/run calls exactly this).
 # Creates or reuses .venv, installs torch (CPU build when no NVIDIA GPU is present) and the project with its
-# test extras, then runs the CPU L0 tier (unit suites + known-bug regression tests, with a sign-off
-# report) and every test L0 leaves out (slow ones, the rest of the functional suites), writing
+# test extras, then runs the CPU L0 tier (unit suites, the l0 cells of every functional suite and the
+# known-bug regression tests, with a sign-off report) and every test L0 leaves out (slow ones, the rest of the functional suites), writing
 # JUnit XML under results/. With arguments,
 # it runs plain pytest with them instead (e.g. bash run_tests.sh tests/unit/fsdp -x).
 set -euo pipefail
@@ -44,13 +44,13 @@ if [ "$#" -gt 0 ]; then
     exec python -m pytest -rfEs "$@"
 fi
 
-# The whole suite, split so that the CPU L0 tier (tests/unit and the known-bug regression
-# tests, without tests marked slow, with its sign-off report in $OUT/signoff.md) runs exactly as
+# The whole suite, split so that the CPU L0 tier (tests/unit, the l0 cells and the known-bug
+# regression tests, without tests marked slow, with its sign-off in $OUT/signoff/) runs exactly as
 # launch_scripts/cpu runs it, followed by everything L0 leaves out: the slow unit tests and
-# the functional tests that are not "regression and not slow".
+# the functional tests that are not "(l0 or regression) and not slow".
 rc=0
 HARNESS_OUT_DIR="$OUT" bash launch_scripts/run_tier.sh L0 --gen cpu || rc=$?
-echo "[run_tests] L0 tier (cpu) exit status $rc; sign-off report: $OUT/signoff.md"
+echo "[run_tests] L0 tier (cpu) exit status $rc; sign-off report: $OUT/signoff/report.md (and .html)"
 
 # rest NAME PATH EXPR: pytest on PATH -m EXPR into $OUT/NAME.xml; nothing selected is fine.
 rest() {
@@ -64,5 +64,5 @@ rest() {
     return 0
 }
 rest unit-slow tests/unit "slow"
-rest functional tests/functional "not regression or slow"
+rest functional tests/functional "not (l0 or regression) or slow"
 exit "$rc"

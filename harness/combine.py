@@ -118,14 +118,24 @@ class ReportBuilder:
             return "skipped"
         return "passed"
 
+    def rank_state(self, rank: int) -> str:
+        """The rank's outcome, ``died`` for the rank whose death ended the test."""
+        fault = self.outcome.fault
+        if fault is not None and rank == fault.cause_rank and fault.kind == "died":
+            return "died"
+        return self.rank_outcome(rank)
+
+    def rank_details(self) -> dict[str, Any]:
+        """Each rank's outcome and time (its phases summed) and the test's wall time, for the JUnit sidecar."""
+        ranks = {str(r): {"outcome": self.rank_state(r),
+                          "duration_s": round(sum(rep.duration for rep in self.per_rank.get(r, {}).values()), 6)}
+                 for r in range(self.world_size)}
+        return {"wall_s": round(self.outcome.duration, 6), "ranks": ranks}
+
     def properties(self) -> list[tuple[str, object]]:
         props: list[tuple[str, object]] = list(self.item.user_properties)
-        fault = self.outcome.fault
         for r in range(self.world_size):
-            state = self.rank_outcome(r)
-            if fault is not None and r == fault.cause_rank and fault.kind == "died":
-                state = "died"
-            props.append((f"rank{r}", state))
+            props.append((f"rank{r}", self.rank_state(r)))
         changes = state_changes(self.outcome)
         if changes:
             props.append(("state_changed", "; ".join(changes)))
@@ -153,7 +163,7 @@ class ReportBuilder:
         return pytest.TestReport(
             nodeid=self.item.nodeid, location=self.item.location, keywords={k: 1 for k in self.item.keywords},
             outcome=outcome, longrepr=longrepr, when=when, sections=sections, duration=duration,
-            start=now - duration, stop=now, user_properties=props, **extra)
+            start=now - duration, stop=now, user_properties=props, harness_ranks=self.rank_details(), **extra)
 
     def build(self) -> list[pytest.TestReport]:
         props = self.properties()

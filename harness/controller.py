@@ -116,19 +116,27 @@ class Controller:
     # ----- running --------------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-        key = item.stash.get(BUCKET_KEY, None)
-        if key is None or item.get_closest_marker("skip") is not None:
+        if not self.runs_item(item):
             return None
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        try:
-            reports = self._run(item, key, nextitem)
-        except BaseException:
-            self.close_active(graceful=False)
-            raise
+        reports = self.run_item(item, nextitem)
         for rep in reports:
             item.ihook.pytest_runtest_logreport(report=rep)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
+
+    @staticmethod
+    def runs_item(item: pytest.Item) -> bool:
+        """True for a distributed item that will run in a bucket (not skip-marked)."""
+        return item.stash.get(BUCKET_KEY, None) is not None and item.get_closest_marker("skip") is None
+
+    def run_item(self, item: pytest.Item, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
+        """Run one distributed item in its bucket; return its reports without logging them."""
+        try:
+            return self._run(item, item.stash[BUCKET_KEY], nextitem)
+        except BaseException:
+            self.close_active(graceful=False)
+            raise
 
     def _run(self, item: pytest.Item, key: BucketKey, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
         if self.active is not None and (self.active_key != key or not self.active.alive):

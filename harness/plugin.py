@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from harness import backend as backend_mod
-from harness import protocol, spec
+from harness import matrix, mutant, protocol, rerun, sidecar, spec
 from harness.context import RANK_STATE_KEY, DistEnv, RankState
 
 MARKERS = (
@@ -28,8 +28,9 @@ MARKERS = (
 )
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
     group = parser.getgroup("fsdp_harness", "distributed test harness")
+    _register_parts(pluginmanager)
     group.addoption("--harness-backend", dest="harness_backend", choices=backend_mod.BACKEND_CHOICES, default="auto",
                     help="auto: NCCL with one GPU per rank when enough GPUs are visible, else gloo on CPU; "
                          "cpu: always gloo on CPU (same as env HARNESS_FORCE_CPU=1)")
@@ -45,6 +46,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("harness_timeout", "default per-test timeout (s) for distributed tests", default="")
     parser.addini("harness_forbidden_fixtures", "extra fixture names distributed tests may not request",
                   type="args", default=[])
+
+
+def _register_parts(pluginmanager: pytest.PytestPluginManager) -> None:
+    """The harness's own plugin modules with options, ini values or collection hooks."""
+    for name, module in (("fsdp_harness_matrix", matrix), ("fsdp_harness_rerun", rerun)):
+        if not pluginmanager.has_plugin(name):
+            pluginmanager.register(module, name)
 
 
 def run_mode() -> str:
@@ -87,6 +95,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadgroup = True
     for line in MARKERS:
         config.addinivalue_line("markers", line)
+    mutant.apply_from_env()
     mode = run_mode()
     if mode == "controller":
         from harness.controller import Controller
@@ -97,6 +106,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
         quiet_non_zero_ranks(config)
         config.pluginmanager.register(TorchrunSession(config), "fsdp_harness_torchrun")
+    rerun.register(config, mode)
+    sidecar.register(config, mode)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -60,5 +60,5 @@ bash launch_scripts/run_tier.sh L0 --gen "$gen" || rc=$?
 out_root=${HARNESS_OUT_DIR:-results}
 echo
 echo "JUnit XML:        $out_root/$gen/L0_*.xml"
-echo "Sign-off report:  $out_root/signoff.md"
+echo "Sign-off report:  $out_root/signoff/report.md, report.html (matrix heat map), summary.json"
 exit "$rc"

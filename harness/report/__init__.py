@@ -1,6 +1,7 @@
 """Test reporting for release sign-off.
 
-``regression`` is a pytest plugin (the ``regression`` marker and the JUnit properties it writes),
-``junit_read`` reads pytest's JUnit XML, and ``signoff`` (the ``harness-signoff`` command) turns
-that XML into a Markdown sign-off report. ``junit_read`` and ``signoff`` use the standard library only.
+``regression`` is a pytest plugin (the ``regression`` marker and the JUnit properties it writes).
+Everything else reads what runs wrote (JUnit XML through ``junitparser``, the harness's sidecars and
+journals) and turns it into the sign-off (``signoff``, the ``harness-signoff`` command): no torch,
+no pytest, so it runs wherever the results can be copied to.
 """

@@ -1,10 +1,10 @@
 """Read pytest JUnit XML into plain records for the sign-off report.
 
-Stdlib only, so the sign-off command runs anywhere the XML can be copied to (a QA
-laptop, a CI post-step) without torch or the project installed. Handles pytest's
-``junitxml`` output (``xunit2`` by default, ``xunit1``/``legacy`` too): a root
-``<testsuites>`` (or a bare ``<testsuite>``) holding ``<testcase>`` elements with
-optional ``<properties>``, ``<failure>``, ``<error>`` and ``<skipped>`` children.
+Parsing goes through ``junitparser`` (pure Python, no dependencies), so the sign-off command runs
+anywhere the XML can be copied to (a QA laptop, a CI post-step) without torch or the project
+installed. Handles pytest's ``junitxml`` output (``xunit2`` by default, ``xunit1``/``legacy`` too):
+a root ``<testsuites>`` (or a bare ``<testsuite>``) holding ``<testcase>`` elements with optional
+``<properties>``, ``<failure>``, ``<error>`` and ``<skipped>`` children.
 """
 
 from __future__ import annotations
@@ -16,15 +16,25 @@ import types
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Sequence
 
+import junitparser
+
 # Outcomes, worst last: a testcase with several children (a failed call plus a
-# teardown error) takes the worst one.
+# teardown error) takes the worst one. FLAKY: failed, then passed on a rerun (never "passed").
+# NOT_RUN: collected for the run but never reported (the run crashed, hung, or stopped early).
 PASSED = "passed"
+FLAKY = "flaky"
 XFAILED = "xfailed"
 SKIPPED = "skipped"
+NOT_RUN = "not run"
 ERROR = "error"
 FAILED = "failed"
-OUTCOME_RANK = types.MappingProxyType({PASSED: 0, XFAILED: 1, SKIPPED: 2, ERROR: 3, FAILED: 4})
+OUTCOMES = (PASSED, FLAKY, XFAILED, SKIPPED, NOT_RUN, ERROR, FAILED)
+OUTCOME_RANK = types.MappingProxyType({o: i for i, o in enumerate(OUTCOMES)})
 FAILING = frozenset({FAILED, ERROR})
+FLAKY_PROPERTY = "harness_flaky"  # written by harness.rerun
+RERUN_FAILURE_PROPERTY = "harness_rerun_failure"
+AXIS_PROPERTY_PREFIX = "axis:"  # written by harness.matrix
+NOT_RUN_TYPE = "harness.not_run"  # <skipped type> of a never-run test in the sign-off's merged JUnit
 
 # pytest's default suite name; any other name (``-o junit_suite_name=...``) labels the run.
 DEFAULT_SUITE_NAME = "pytest"
@@ -63,6 +73,11 @@ class TestCase:
     properties: tuple[tuple[str, str], ...] = ()
     time_s: float = 0.0
     file: str | None = None
+    nodeid: str | None = None  # exact node id when known (the sidecar), else rebuilt from the classname
+    wall_s: float | None = None  # a distributed test's wall time (sidecar), start-up included
+    bucket: str | None = None
+    ranks: tuple[tuple[int, str, float], ...] = ()  # (rank, outcome, seconds) from the sidecar
+    gating: bool = True  # False for the tests of flaky scripts: reported, never gate the verdict
 
     def prop_values(self, key: str) -> list[str]:
         """All values of property ``key`` in XML order (properties may repeat)."""
@@ -79,6 +94,20 @@ class TestCase:
         found = {name[len(PARAM_PROPERTY_PREFIX):]: value for name, value in self.properties
                  if name.startswith(PARAM_PROPERTY_PREFIX)}
         return tuple(sorted(found.items()))
+
+    @property
+    def axes(self) -> tuple[tuple[str, str], ...]:
+        """The ``axis:<name>`` properties (a functional suite's declared matrix axes), in XML order."""
+        found: dict[str, str] = {}
+        for name, value in self.properties:
+            if name.startswith(AXIS_PROPERTY_PREFIX):
+                found.setdefault(name[len(AXIS_PROPERTY_PREFIX):], value)
+        return tuple(found.items())
+
+    @property
+    def seconds(self) -> float:
+        """The test's cost: its wall time when the sidecar has it, else the JUnit time."""
+        return self.wall_s if self.wall_s is not None else self.time_s
 
     @property
     def bracket_id(self) -> str | None:
@@ -105,6 +134,8 @@ class TestCase:
     @property
     def test_id(self) -> str:
         """A pytest-style node id, e.g. ``tests/unit/test_x.py::TestA::test_b[p]``."""
+        if self.nodeid:
+            return self.nodeid
         module, classes = _split_classname(self)
         if self.message == COLLECTION_FAILURE and not classes:
             return module
@@ -115,6 +146,48 @@ class TestCase:
         return self.outcome in FAILING
 
 
+@dataclasses.dataclass
+class Counts:
+    """Outcome counts of a group of tests (a suite, a matrix cell, a run)."""
+
+    passed: int = 0
+    flaky: int = 0
+    failed: int = 0
+    error: int = 0
+    skipped: int = 0
+    xfailed: int = 0
+    not_run: int = 0
+
+    @classmethod
+    def of(cls, cases: Iterable[TestCase]) -> Counts:
+        counts = cls()
+        for case in cases:
+            attr = case.outcome.replace(" ", "_")
+            setattr(counts, attr, getattr(counts, attr) + 1)
+        return counts
+
+    @property
+    def total(self) -> int:
+        return sum(self.values())
+
+    @property
+    def ran(self) -> int:
+        """Tests that really ran to a result that is not a skip."""
+        return self.passed + self.flaky + self.failed + self.error
+
+    def values(self) -> list[int]:
+        return [self.passed, self.flaky, self.failed, self.error, self.skipped, self.xfailed, self.not_run]
+
+    def row(self) -> list[str]:
+        return [str(v) for v in (self.total, *self.values())]
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(zip(COUNT_HEADERS, (self.total, *self.values()), strict=True))
+
+
+COUNT_HEADERS = ("tests", "passed", "flaky", "failed", "errors", "skipped", "xfailed", "not run")
+
+
 def _split_classname(case: TestCase) -> tuple[str, list[str]]:
     """Split a JUnit classname into (module path, class names).
 
@@ -122,6 +195,9 @@ def _split_classname(case: TestCase) -> tuple[str, list[str]]:
     file attribute (xunit1) disambiguates when present, else trailing components that
     start with an upper-case letter are taken as classes (pytest's ``Test*`` default).
     """
+    if case.nodeid:
+        module, *rest = case.nodeid.split("::")
+        return module, rest[:-1]
     parts = [p for p in case.classname.split(".") if p]
     if case.file:
         file_parts = case.file.replace("\\", "/").removesuffix(".py").split("/")
@@ -186,62 +262,90 @@ def one_line_cause(case: TestCase, limit: int = 160) -> str:
     return case.message or "(no message)"
 
 
-def _parse_testcase(elem: ET.Element, run: str) -> TestCase:
-    """Turn one ``<testcase>`` element into a TestCase."""
-    properties = tuple(
-        (prop.get("name", ""), prop.get("value", prop.text or ""))
-        for props in elem.findall("properties")
-        for prop in props.findall("property")
-    )
+class _PytestCase(junitparser.TestCase):
+    """pytest's ``<testcase>`` with the xunit1 ``file`` attribute."""
+
+    file = junitparser.Attr()
+
+
+class _PytestSuite(junitparser.TestSuite):
+    testcase = _PytestCase
+
+
+class PytestXml(junitparser.JUnitXml):
+    """A JUnit document whose suites hold :class:`_PytestCase` elements."""
+
+    testsuite = _PytestSuite
+
+
+def case_properties(case: junitparser.TestCase) -> tuple[tuple[str, str], ...]:
+    """A testcase's ``<property>`` pairs in XML order (they may repeat)."""
+    props = case.child(junitparser.Properties)
+    if props is None:
+        return ()
+    return tuple((p.name or "", p.value if p.value is not None else (p._elem.text or "")) for p in props)
+
+
+def _result_kind(result: junitparser.junitparser.FinalResult) -> str:
+    if isinstance(result, junitparser.Failure):
+        return FAILED
+    if isinstance(result, junitparser.Error):
+        return ERROR
+    if result.type == NOT_RUN_TYPE:
+        return NOT_RUN
+    return XFAILED if result.type == "pytest.xfail" else SKIPPED
+
+
+def to_case(case: junitparser.TestCase, run: str) -> TestCase:
+    """Turn one junitparser testcase into a TestCase (the worst of its results wins)."""
+    properties = case_properties(case)
     outcome, message, details = PASSED, "", ""
-    for child in elem:
-        if child.tag == "failure":
-            kind = FAILED
-        elif child.tag == "error":
-            kind = ERROR
-        elif child.tag == "skipped":
-            kind = XFAILED if child.get("type") == "pytest.xfail" else SKIPPED
-        else:
-            continue
+    for result in case.result:
+        kind = _result_kind(result)
         if OUTCOME_RANK[kind] >= OUTCOME_RANK[outcome]:
-            outcome = kind
-            message = child.get("message", "") or ""
-            details = child.text or ""
+            outcome, message, details = kind, result.message or "", result.text or ""
+    if outcome == PASSED and any(name == FLAKY_PROPERTY for name, _ in properties):
+        outcome = FLAKY
+        message = next(v for n, v in properties if n == FLAKY_PROPERTY)
+        details = "\n".join(v for n, v in properties if n == RERUN_FAILURE_PROPERTY)
     try:
-        time_s = float(elem.get("time", "0") or 0)
+        time_s = float(case.time or 0.0)
     except ValueError:
         time_s = 0.0
-    return TestCase(
-        run=run, classname=elem.get("classname", ""), name=elem.get("name", ""),
-        outcome=outcome, message=message, details=details, properties=properties,
-        time_s=time_s, file=elem.get("file"),
-    )
+    return TestCase(run=run, classname=case.classname or "", name=case.name or "", outcome=outcome,
+                    message=message, details=details, properties=properties, time_s=time_s,
+                    file=getattr(case, "file", None))
 
 
-def read_junit_file(path: pathlib.Path, label: str) -> list[TestCase]:
-    """Parse one JUnit XML file; ``label`` names the run unless the suite has a name."""
+def parse_junit_file(path: pathlib.Path) -> PytestXml:
+    """The JUnit document at ``path``; JunitError names the file when it is unusable."""
     try:
-        root = ET.parse(path).getroot()
+        tree = ET.parse(path)
     except FileNotFoundError:
         raise JunitError(f"JUnit file not found: {path}") from None
     except ET.ParseError as exc:
         raise JunitError(f"{path} is not well-formed XML ({exc})") from None
     except OSError as exc:
         raise JunitError(f"cannot read JUnit file {path}: {exc}") from None
-    if root.tag == "testsuite":
-        suites = [root]
-    elif root.tag == "testsuites":
-        suites = root.findall("testsuite")
-    else:
-        raise JunitError(
-            f"{path} is not JUnit XML: root element is <{root.tag}>, "
-            "expected <testsuites> or <testsuite>")
-    cases: list[TestCase] = []
-    for suite in suites:
-        name = suite.get("name", DEFAULT_SUITE_NAME)
-        run = name if name and name != DEFAULT_SUITE_NAME else label
-        cases.extend(_parse_testcase(tc, run) for tc in suite.iter("testcase"))
-    return cases
+    root = tree.getroot()
+    if root.tag not in ("testsuites", "testsuite"):
+        raise JunitError(f"{path} is not JUnit XML: root element is <{root.tag}>, "
+                         "expected <testsuites> or <testsuite>")
+    xml = PytestXml.fromfile(str(path), parse_func=lambda _file: tree)
+    assert isinstance(xml, PytestXml)
+    return xml
+
+
+def suite_run_label(suite: junitparser.TestSuite, label: str) -> str:
+    """A suite's run label: its name unless it is pytest's default, else the file's label."""
+    name = suite.name
+    return name if name and name != DEFAULT_SUITE_NAME else label
+
+
+def read_junit_file(path: pathlib.Path, label: str) -> list[TestCase]:
+    """Parse one JUnit XML file; ``label`` names the run unless the suite has a name."""
+    xml = parse_junit_file(path)
+    return [to_case(case, suite_run_label(suite, label)) for suite in xml for case in suite]
 
 
 def find_junit_files(paths: Sequence[str | pathlib.Path]) -> list[tuple[pathlib.Path, str]]:

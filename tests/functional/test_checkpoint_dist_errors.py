@@ -21,9 +21,14 @@ from fsdp_impl.checkpoint import (
     CheckpointNotFoundError,
     CheckpointWriteError,
 )
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.checkpointing import Case, assert_same_state, full_state, train_step, wrap
 
-pytestmark = pytest.mark.distributed(world_size=2)
+pytestmark = [
+    pytest.mark.distributed(world_size=2),
+    pytest.mark.matrix(mesh=axes.mesh(2), model="cnn", dtype="fp32"),
+]
 CNN = Case("cnn", "optim_grads_params")
 
 
@@ -149,6 +154,7 @@ def test_failure_on_one_rank_aborts_save_everywhere(dist_env: Any, shared_tmp_pa
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero))
 def test_state_dicts_are_dtensors_with_global_shapes(strategy: str, dist_env: Any, shared_tmp_path: Path) -> None:
     """What DCP sees: DTensor params/moments with the module's global shapes (uneven/empty shards
     included), and a checkpoint whose metadata records those global shapes."""

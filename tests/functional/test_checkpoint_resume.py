@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_impl import checkpoint
+from tests.functional import matrix_axes as axes
 from tests.functional.common.checkpointing import (
     GLOBAL_BATCH,
     K_SAVE,
@@ -186,10 +187,19 @@ def _in_bucket(world: int, timeout: float) -> pytest.MarkDecorator:
     return pytest.mark.distributed(world_size=world, bucket=f"ckpt-ws{world}", timeout=timeout)
 
 
-SAME_WORLD = ([pytest.param(c, marks=_in_bucket(4, 300), id=f"ws4-{c}") for c in MATRIX]
-              + [pytest.param(c, marks=_in_bucket(2, 300), id=f"ws2-{c}") for c in SAME_ON_2])
+def _case_axes(world: int, param: str = "case") -> pytest.MarkDecorator:
+    """The matrix cell of the Case ``param`` trained on ``world`` ranks (an HSDP case on a (2, world/2) mesh)."""
+    def mesh(outer: str | None) -> str:
+        return axes.mesh(world) if outer is None else axes.mesh(world // 2, outer=2)
+    return pytest.mark.matrix(mesh=axes.item(param, "outer", mesh), zero=axes.item(param, "strategy"),
+                              outer=axes.item(param, "outer"), model=axes.item(param, "model"), dtype="fp32")
+
+
+SAME_WORLD = ([pytest.param(c, marks=[_in_bucket(4, 300), _case_axes(4)], id=f"ws4-{c}") for c in MATRIX]
+              + [pytest.param(c, marks=[_in_bucket(2, 300), _case_axes(2)], id=f"ws2-{c}") for c in SAME_ON_2])
 CROSS = {2: (4, CROSS_2_TO_4), 4: (2, CROSS_4_TO_2)}  # saved on -> (loaded on, (saved, loaded) pairs)
-OTHER_WORLD = [pytest.param(saved, saved_on, loaded, marks=_in_bucket(loaded_on, 600),
+OTHER_WORLD = [pytest.param(saved, saved_on, loaded,
+                            marks=[_in_bucket(loaded_on, 600), _case_axes(loaded_on, "loaded")],
                             id=f"ws{saved_on}to{loaded_on}-{saved}-to-{loaded}")
                for saved_on, (loaded_on, pairs) in CROSS.items() for saved, loaded in pairs]
 

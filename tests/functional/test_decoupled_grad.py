@@ -25,6 +25,8 @@ from fsdp_impl import MixedPrecisionPolicy, fully_shard, fully_shard_model, full
 from fsdp_impl.clip_grad import clip_grad_norm
 from fsdp_impl.decoupled import local_tensor, optimizer_reads_decoupled_grad
 from fsdp_impl.optim import AdamW
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.decoupled import (
     LR,
     MAX_NORM,
@@ -56,6 +58,8 @@ def flag_mismatch_regression(description: str) -> pytest.MarkDecorator:
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.matrix(mesh=matrix.param("world", axes.mesh), zero=matrix.param("strategy", axes.zero),
+                    model="decoupled_net", dtype="fp32")
 class TestDecoupledGrad:
     def test_flags_agree(self, dist_env: Any, world: int, strategy: int) -> None:
         """Buffer, optimizer and clipping all use decoupled grads; .grad stays None."""
@@ -122,6 +126,7 @@ class TestDecoupledGrad:
         problem = loss_check_problem(trace.losses, ref_trace.losses)
         assert problem is None, problem
 
+    @pytest.mark.matrix(dtype="bf16")
     def test_bf16_main_grads_and_moments(self, dist_env: Any, world: int, strategy: int) -> None:
         """The precision-aware use: bf16 main grads arrive uncast on decoupled_grad (fp32 params
         could not hold a bf16 .grad) and bf16 moments; the math stays fp32.
@@ -150,6 +155,8 @@ class TestDecoupledGrad:
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.matrix(mesh=matrix.param("world", axes.mesh), zero="optim_grads_params", model="decoupled_net",
+                    dtype="fp32")
 class TestRegressions:
     @pytest.mark.regression(
         "decoupled-grad-none-segfault",

@@ -36,11 +36,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_impl.clip_grad import clip_grad_norm
 from fsdp_impl.decoupled import local_tensor, optimizer_reads_decoupled_grad
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common import decoupled
 from tests.functional.common.mesh import data_group, data_position, seed_kwargs, seed_mesh
 from tests.functional.common.numerics import max_loss_error
 
-pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
+pytestmark = [
+    pytest.mark.distributed(world_size=4, timeout=600),
+    pytest.mark.matrix(mesh=axes.mesh(2, outer=2), model="decoupled_net", dtype="fp32"),
+]
 
 MESH_SHAPE = (2, 2, 1, 1)  # (dp_outer, dp_shard, cp, tp)
 CASES = [
@@ -94,6 +99,7 @@ def _same_on_all_ranks(value: float, device: torch.device) -> list[float]:
 
 
 @pytest.mark.parametrize("strategy,outer", CASES)
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), outer=matrix.param("outer", axes.outer))
 class TestDecoupledGradOuter:
     def test_flags_agree_and_grads_after_sync(self, dist_env: Any, strategy: int, outer: str) -> None:
         model, optimizer, _, slot = _hybrid_setup(dist_env, strategy, outer)

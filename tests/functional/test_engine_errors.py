@@ -10,9 +10,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_impl import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
 from fsdp_impl.fp8 import CurrentScaling, convert_to_fp8
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.models import build_model
 
-pytestmark = pytest.mark.distributed(world_size=2, timeout=300)
+pytestmark = [
+    pytest.mark.distributed(world_size=2, timeout=300),
+    pytest.mark.matrix(mesh=axes.mesh(2)),
+]
 
 
 def _cnn_and_adam():
@@ -40,6 +45,7 @@ def test_unknown_outer_strategy(dist_env) -> None:
 
 
 @pytest.mark.parametrize("inner", ["no_shard", "optim", "optim_grads"])
+@pytest.mark.matrix(zero=matrix.param("inner", axes.zero), outer="optim")
 def test_outer_optim_needs_inner_3(inner, dist_env) -> None:
     with pytest.raises(ValueError, match=r"outer_dp_sharding_strategy='optim'/1 requires "
                                          r"zero_dp_strategy='optim_grads_params'/3"):

@@ -12,12 +12,17 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_impl
 from fsdp_impl import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.models import build_model, loss_fn, make_batch, unit_classes
 from tests.functional.common.numerics import max_loss_error, max_relative_error, relative_error
 from tests.functional.common.reference import global_batch, make_optimizer, train_reference
 from tests.functional.common.training import RunConfig, local_slice, train_fsdp
 
-pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
+pytestmark = [
+    pytest.mark.distributed(world_size=4, timeout=600),
+    pytest.mark.matrix(mesh=axes.mesh(4), zero="optim_grads_params", model="cnn", dtype="fp32"),
+]
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 RTOL = 1e-5
 
@@ -30,6 +35,7 @@ def _reference_grads(model: nn.Module, name: str, global_size: int) -> dict:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero))
 def test_accumulation_grads_absent_until_sync_then_present_everywhere(strategy, dist_env) -> None:
     """Megatron-FSDP's fully_shard test's check plus: after the sync backward every rank that
     owns a non-empty shard has a non-zero grad, and the accumulated grads equal the full-batch
@@ -80,6 +86,7 @@ class TinyParams(nn.Module):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), model="tiny_params")
 def test_tiny_and_empty_shards_train_like_reference(strategy, dist_env) -> None:
     rank, world = dist_env.rank, dist_env.world_size
     torch.manual_seed(3)
@@ -105,6 +112,7 @@ def test_tiny_and_empty_shards_train_like_reference(strategy, dist_env) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), model="transformer")
 def test_frozen_params_stay_frozen_and_have_no_grad_buffer(strategy, dist_env) -> None:
     def frozen_model() -> nn.Module:
         model = build_model("transformer", seed=0)
@@ -129,6 +137,7 @@ def test_frozen_params_stay_frozen_and_have_no_grad_buffer(strategy, dist_env) -
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), model="gpt")
 def test_tied_weights_across_modules(strategy, dist_env) -> None:
     cfg = RunConfig(model="gpt", optimizer="adam", strategy=strategy, steps=3)
     losses, final, model = train_fsdp(cfg, dist_env.device, model=build_model("gpt", tie_module=True))
@@ -142,6 +151,7 @@ def test_tied_weights_across_modules(strategy, dist_env) -> None:
 
 @pytest.mark.parametrize("name", ["cnn", "transformer", "gpt"])
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), model=matrix.param("name"))
 def test_meta_init_equals_eager_init(name, strategy, dist_env) -> None:
     eager = dict(build_model(name, seed=5).named_parameters())
     model = fully_shard_model(build_model(name, seed=5, device="meta"), fsdp_unit_modules=list(unit_classes(name)),
@@ -168,6 +178,7 @@ def test_optimizer_param_groups_preserved_and_first_step_is_step_one(dist_env) -
     assert steps == {1.0}
 
 
+@pytest.mark.matrix(model="transformer", dtype="fp64")
 def test_custom_dtypes_and_mixed_precision_context(dist_env) -> None:
     """Megatron-FSDP's fully_shard test's custom-dtype check: buffer dtypes follow the policy; grads reach the fp64 main
     params as a cast copy; grad comm dtype can change per scope; values match the reference."""
@@ -225,6 +236,7 @@ def test_report_nan_in_param_grad_names_the_parameter(dist_env) -> None:
         loss_fn("cnn")(model(x), target).backward()
 
 
+@pytest.mark.matrix(mesh=axes.mesh(2, cp=2))
 def test_flattened_dp_shard_cp_dim_and_size1_tp_dim(dist_env) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -246,6 +258,7 @@ def test_flattened_dp_shard_cp_dim_and_size1_tp_dim(dist_env) -> None:
                 dist.destroy_process_group(group)
 
 
+@pytest.mark.matrix(graph="compile")
 def test_torch_compile_runs_and_matches_eager(dist_env) -> None:
     eager = RunConfig(model="cnn", optimizer="sgd", strategy=3, steps=2)
     eager_losses, eager_final, _ = train_fsdp(eager, dist_env.device)
@@ -295,6 +308,7 @@ def test_zero3_prefetches_next_unit_all_gather(dist_env, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero))
 def test_zero_grad_keep_views_trains_like_reference(strategy, dist_env) -> None:
     """``zero_grad(set_to_none=False)`` keeps every ``.grad`` a view of the grad buffer across
     steps (what CUDA-graph capture needs) and training still matches the reference."""
@@ -323,6 +337,7 @@ def test_zero_grad_keep_views_trains_like_reference(strategy, dist_env) -> None:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero))
 def test_in_place_weight_edits_reach_the_next_forward(strategy, dist_env) -> None:
     """Compute params are rebuilt when the main weights change by any in-place path: a DTensor
     op, an edit of ``to_local()`` or of the weight buffer (closed form: zero weights -> zero out)."""
@@ -349,6 +364,7 @@ def test_in_place_weight_edits_reach_the_next_forward(strategy, dist_env) -> Non
 
 
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), model="transformer")
 def test_eval_forward_between_training_steps(strategy, dist_env) -> None:
     rank, world = dist_env.rank, dist_env.world_size
     module, ref = build_model("transformer", seed=0), build_model("transformer", seed=0)

@@ -13,10 +13,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.functional import mse_loss
 
 from fsdp_impl import MixedPrecisionPolicy, fully_shard
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.models import TOY_SIZE, build_toy, run_toy
 from tests.functional.common.numerics import max_relative_error
 
-pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
+pytestmark = [
+    pytest.mark.distributed(world_size=4, timeout=600),
+    pytest.mark.matrix(mesh=axes.mesh(2, cp=2), dtype="fp32"),
+]
 NUM_STEPS = 2
 
 
@@ -31,6 +36,8 @@ def _build(kind: str, meta: bool) -> tuple[nn.Module, list[type[nn.Module]]]:
                          ids=["meta-compile-fp32main", "plain"])
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 @pytest.mark.parametrize("kind", ["cnn", "transformer"])
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), model=matrix.param("kind"),
+                    graph=matrix.param("common", lambda c: "compile" if c["compile"] else "eager"))
 def test_fully_shard_seed_style(kind, strategy, common, dist_env) -> None:
     if common["meta"] and strategy == "no_shard":
         pytest.skip("meta-device init is not supported (or needed) for no_shard")

@@ -54,6 +54,8 @@ import torch.nn as nn
 from torch.nn.functional import mse_loss
 
 from fsdp_impl import MixedPrecisionPolicy, fully_shard
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.mesh import (
     assert_same_on_all_ranks,
     data_group,
@@ -73,7 +75,10 @@ try:
 except ImportError:  # pragma: no cover - depends on the machine
     HAVE_TE = False
 
-pytestmark = pytest.mark.distributed(world_size=8, timeout=600, bucket="fully_shard_matrix")
+pytestmark = [
+    pytest.mark.distributed(world_size=8, timeout=600, bucket="fully_shard_matrix"),
+    pytest.mark.matrix(dtype="fp32"),
+]
 
 STEPS, MICRO = 3, 2
 LOSS_RTOL, GRAD_RTOL, PARAM_RTOL = 1e-5, 1e-5, 1e-4
@@ -308,6 +313,9 @@ def _train_and_check(model: nn.Module, runner: nn.Module, opt: torch.optim.Optim
 
 
 @pytest.mark.parametrize("model_type,strategy,outer,mesh_shape,common", _cases())
+@pytest.mark.matrix(mesh=matrix.param("mesh_shape", axes.mesh_shape), zero=matrix.param("strategy", axes.zero),
+                    outer=matrix.param("outer", axes.outer), model=matrix.param("model_type"),
+                    graph=matrix.param("common", lambda c: "compile" if c["compile"] else "eager"))
 def test_fully_shard(model_type: str, strategy: str, outer: str | None, mesh_shape: tuple, common: dict,
                      dist_env) -> None:
     mesh, model, opt = _wrap(model_type, strategy, outer, mesh_shape, common, dist_env.device)

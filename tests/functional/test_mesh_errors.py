@@ -12,11 +12,16 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_impl import fully_shard, fully_shard_model
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.collective_counter import group_ranks
 from tests.functional.common.mesh import seed_kwargs, seed_mesh
 from tests.functional.common.models import build_model, unit_classes
 
-pytestmark = pytest.mark.distributed(world_size=4, timeout=300)
+pytestmark = [
+    pytest.mark.distributed(world_size=4, timeout=300),
+    pytest.mark.matrix(mesh=axes.mesh(4)),
+]
 
 
 def _cnn():
@@ -74,6 +79,7 @@ def test_hybrid_group_must_be_outer_times_shard(dist_env) -> None:
 
 
 @pytest.mark.parametrize("inner", ["no_shard", 1, "optim_grads"])
+@pytest.mark.matrix(zero=matrix.param("inner", axes.zero), outer="optim")
 def test_outer_optim_needs_inner_optim_grads_params(inner, dist_env) -> None:
     with pytest.raises(ValueError, match=r"outer_dp_sharding_strategy='optim'/1 requires zero_dp_strategy="
                                          r"'optim_grads_params'/3, got zero_dp_strategy="):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import pytest
 
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.mesh import full_params
 from tests.functional.common.mesh_checks import (
     assert_parity,
@@ -25,22 +27,28 @@ from tests.functional.common.mesh_checks import (
     hsdp_wrap,
 )
 
-pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
+pytestmark = [
+    pytest.mark.distributed(world_size=4, timeout=600),
+    pytest.mark.matrix(mesh=axes.mesh(2, outer=2), dtype="fp32"),
+]
 
 HSDP_4 = (2, 2, 1, 1)  # (dp_outer, dp_shard, cp, tp) of the 4-rank cases
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 @pytest.mark.parametrize("name", ["cnn", "transformer"])
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), outer="no_shard", model=matrix.param("name"))
 def test_hsdp_parity_and_traffic(name: str, strategy: str, dist_env) -> None:
     check_hsdp(name, strategy, dist_env.device, HSDP_4)
 
 
 @pytest.mark.parametrize("name", ["cnn", "transformer"])
+@pytest.mark.matrix(zero="optim_grads_params", outer="optim", model=matrix.param("name"))
 def test_hfsdp_parity_and_traffic(name: str, dist_env) -> None:
     check_hfsdp(name, dist_env.device, HSDP_4)
 
 
+@pytest.mark.matrix(zero="optim_grads_params", outer="no_shard", model="cnn")
 def test_hsdp_adam_accumulation_matches_reference(dist_env) -> None:
     """Adam as Megatron-FSDP's test uses it (outer no_shard, inner ZeRO-3): losses and params
     (measured: losses equal, params within 8.8e-8)."""

@@ -15,14 +15,21 @@ from __future__ import annotations
 
 import pytest
 
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.mesh_checks import check_cp, check_tp
 
-pytestmark = pytest.mark.distributed(world_size=4, timeout=600)
+pytestmark = [
+    pytest.mark.distributed(world_size=4, timeout=600),
+    pytest.mark.matrix(dtype="fp32"),
+]
 
 
 @pytest.mark.parametrize("mesh_shape,outer", [((1, 2, 2, 1), None), ((2, 1, 2, 1), "no_shard"),
                                               ((2, 1, 2, 1), "optim")], ids=["fsdp", "hsdp", "hfsdp"])
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+@pytest.mark.matrix(mesh=matrix.param("mesh_shape", axes.mesh_shape), zero=matrix.param("strategy", axes.zero),
+                    outer=matrix.param("outer", axes.outer), model="token_model")
 def test_cp_sequence_chunks_match_full_sequence(mesh_shape, outer, strategy, dist_env) -> None:
     if outer == "optim" and strategy != "optim_grads_params":
         pytest.skip("outer 'optim' requires inner 'optim_grads_params'/3")
@@ -32,5 +39,7 @@ def test_cp_sequence_chunks_match_full_sequence(mesh_shape, outer, strategy, dis
 @pytest.mark.parametrize("mesh_shape,outer", [((1, 2, 1, 2), None), ((2, 1, 1, 2), "no_shard")],
                          ids=["fsdp_tp2", "hsdp_tp2"])
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+@pytest.mark.matrix(mesh=matrix.param("mesh_shape", axes.mesh_shape), zero=matrix.param("strategy", axes.zero),
+                    outer=matrix.param("outer", axes.outer), model="cnn")
 def test_tp_dim_replicates_plain_models(mesh_shape, outer, strategy, dist_env) -> None:
     check_tp(mesh_shape, outer, strategy, dist_env.device)

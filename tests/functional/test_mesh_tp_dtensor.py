@@ -26,12 +26,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp_impl
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.mesh import data_group, data_position, seed_kwargs, seed_mesh
 from tests.functional.common.numerics import max_loss_error, relative_error
 from tests.functional.common.training import train_accumulating
 
 D, H, STEPS, MICRO, LOCAL = 8, 12, 3, 2, 4
 LOSS_RTOL, GRAD_RTOL, PARAM_RTOL = 1e-5, 1e-5, 1e-4
+pytestmark = pytest.mark.matrix(model="tp_net", dtype="fp32")
 
 
 class TPBlock(nn.Module):
@@ -184,23 +187,28 @@ def run_case(dist_env: Any, shape: tuple[int, int, int, int], strategy: int, out
 
 @pytest.mark.distributed(world_size=4, timeout=600, bucket="mesh_tp_dtensor4")
 @pytest.mark.parametrize("strategy", [0, 1, 2, 3])
+@pytest.mark.matrix(mesh=axes.mesh(2, tp=2), zero=matrix.param("strategy", axes.zero))
 def test_tp_dtensor_with_fsdp(strategy: int, dist_env: Any) -> None:
     run_case(dist_env, (1, 2, 1, 2), strategy, None)
 
 
 @pytest.mark.distributed(world_size=4, timeout=600, bucket="mesh_tp_dtensor4")
 @pytest.mark.parametrize("outer,strategy", [("no_shard", 3), ("no_shard", 1), ("optim", 3)])
+@pytest.mark.matrix(mesh=axes.mesh(1, outer=2, tp=2), zero=matrix.param("strategy", axes.zero),
+                    outer=matrix.param("outer", axes.outer))
 def test_tp_dtensor_with_hsdp_and_hfsdp(outer: str, strategy: int, dist_env: Any) -> None:
     run_case(dist_env, (2, 1, 1, 2), strategy, outer)
 
 
 @pytest.mark.distributed(world_size=4, timeout=600, bucket="mesh_tp_dtensor4")
+@pytest.mark.matrix(mesh=axes.mesh(2, tp=2), zero="optim_grads_params")
 def test_tp_dtensor_meta_init(dist_env: Any) -> None:
     run_case(dist_env, (1, 2, 1, 2), 3, None, meta=True)
 
 
 @pytest.mark.distributed(world_size=2, timeout=600, bucket="mesh_tp_dtensor2")
 @pytest.mark.parametrize("strategy", [0, 3])
+@pytest.mark.matrix(mesh=axes.mesh(1, tp=2), zero=matrix.param("strategy", axes.zero))
 def test_tp_dtensor_world2(strategy: int, dist_env: Any) -> None:
     """TP=2 only (dp size 1): the 2-GPU NCCL subset of this file."""
     run_case(dist_env, (1, 1, 1, 2), strategy, None)
@@ -208,6 +216,7 @@ def test_tp_dtensor_world2(strategy: int, dist_env: Any) -> None:
 
 @pytest.mark.distributed(world_size=4, timeout=600, bucket="mesh_tp_dtensor4")
 @pytest.mark.parametrize("load_strategy", [3, 1])
+@pytest.mark.matrix(mesh=axes.mesh(2, tp=2), zero=matrix.param("load_strategy", axes.zero))
 def test_tp_dtensor_checkpoint_resume(load_strategy: int, dist_env: Any, shared_tmp_path: Any) -> None:
     """Save after step 0 and resume in a fresh model (other init seed, maybe another ZeRO
     strategy): steps 1-2 reproduce the uninterrupted run (bit-exact for the same strategy; a
@@ -233,6 +242,7 @@ def test_tp_dtensor_checkpoint_resume(load_strategy: int, dist_env: Any, shared_
 
 
 @pytest.mark.distributed(world_size=4, timeout=300, bucket="mesh_tp_dtensor4")
+@pytest.mark.matrix(mesh=axes.mesh(2, tp=2), zero="optim_grads_params")
 def test_nan_on_one_tp_rank_raises_on_every_rank(dist_env: Any) -> None:
     """TP peers hold different grads: a NaN only on TP rank 0's (plain, TP-replicated) input layer
     must still make every rank raise, or TP rank 1 would run on into collectives alone (hang)."""

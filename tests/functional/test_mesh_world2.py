@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import pytest
 
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.collective_counter import group_ranks
 from tests.functional.common.mesh_checks import check_cp, check_hfsdp, check_hsdp, check_tp, train_plain_cnn
 
-pytestmark = pytest.mark.distributed(world_size=2, timeout=300)
+pytestmark = [
+    pytest.mark.distributed(world_size=2, timeout=300),
+    pytest.mark.matrix(dtype="fp32"),
+]
 
 HSDP_2 = (2, 1, 1, 1)
 CP_2 = (1, 1, 2, 1)
@@ -34,26 +39,31 @@ STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.matrix(mesh=axes.mesh(1, outer=2), zero=matrix.param("strategy", axes.zero), outer="no_shard", model="cnn")
 def test_hsdp_world2(strategy: str, dist_env) -> None:
     check_hsdp("cnn", strategy, dist_env.device, HSDP_2)
 
 
 @pytest.mark.parametrize("name", ["cnn", "transformer"])
+@pytest.mark.matrix(mesh=axes.mesh(1, outer=2), zero="optim_grads_params", outer="optim", model=matrix.param("name"))
 def test_hfsdp_world2(name: str, dist_env) -> None:
     check_hfsdp(name, dist_env.device, HSDP_2)
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+@pytest.mark.matrix(mesh=axes.mesh(1, cp=2), zero=matrix.param("strategy", axes.zero), model="token_model")
 def test_cp_world2(strategy: str, dist_env) -> None:
     check_cp(CP_2, None, strategy, dist_env.device)
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+@pytest.mark.matrix(mesh=axes.mesh(1, tp=2), zero=matrix.param("strategy", axes.zero), model="cnn")
 def test_tp_plain_world2(strategy: str, dist_env) -> None:
     check_tp(TP_2, None, strategy, dist_env.device)
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+@pytest.mark.matrix(mesh=axes.mesh(2), zero=matrix.param("strategy", axes.zero), model="cnn")
 def test_plain_fsdp_world2(strategy: str, dist_env) -> None:
     mesh, _, counter = train_plain_cnn(PLAIN_2, None, strategy, dist_env.device)
     shard = group_ranks(mesh["dp_shard"].get_group())

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_impl.grad_reduce import GradScaling
+from tests.functional import matrix_axes as axes
 from tests.functional.common.models import build_model
 from tests.functional.common.numerics import assert_losses_close, max_loss_error, max_relative_error
 from tests.functional.common.reference import OPTIMIZERS, train_reference
@@ -101,6 +102,8 @@ def _check(case: Case, opt: str, dist_env: Any, record: Callable[[int, int], Any
 
 @pytest.mark.distributed(world_size=2, timeout=600)
 @pytest.mark.parametrize("case", _cases(), ids=_ids)
+@pytest.mark.matrix(mesh=axes.mesh(2), zero=axes.item("case", 0), model=axes.item("case", 1),
+                    dtype=axes.item("case", 2))
 def test_parity_world2(case: Case, dist_env) -> None:
     for opt in OPTIMIZERS:
         _check(case, opt, dist_env)
@@ -115,6 +118,8 @@ def _slow_on_4_ranks(case: Case) -> Any:
 
 @pytest.mark.distributed(world_size=4, timeout=600)
 @pytest.mark.parametrize("case", [_slow_on_4_ranks(c) for c in _cases()])
+@pytest.mark.matrix(mesh=axes.mesh(4), zero=axes.item("case", 0), model=axes.item("case", 1),
+                    dtype=axes.item("case", 2))
 def test_parity_world4(case: Case, dist_env) -> None:
     for opt in OPTIMIZERS:
         _check(case, opt, dist_env)
@@ -174,6 +179,8 @@ class _SumInsteadOfAverage:
 @pytest.mark.distributed(world_size=2, timeout=600)
 @pytest.mark.parametrize("case", [("no_shard", "cnn", "bf16", 3, False), ("optim_grads_params", "cnn", "bf16", 3, True),
                                   ("optim_grads_params", "transformer", "fp32", 1, False)], ids=_ids)
+@pytest.mark.matrix(mesh=axes.mesh(2), zero=axes.item("case", 0), model=axes.item("case", 1),
+                    dtype=axes.item("case", 2))
 def test_sum_instead_of_average_fails(case: Case, dist_env) -> None:
     """Grads summed over ranks instead of averaged (x world size) break SGD parity by orders of
     magnitude more than the tolerance; the reductions run inside the recorded forward/backward,

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU_COUNT=4
 # CI_TIMEOUT=30
-# Tier L0 (every change): the known-bug regression tests of the functional suites (not slow).
+# Tier L0 (every change): a few cells of every functional suite (the l0 mark, tests/functional/conftest.py)
+# and the known-bug regression tests, none marked slow.
 # Generation gb200: 4 GPUs; xdist workers: 2.
 set -euo pipefail
 # shellcheck source=../../common.sh source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/../../common.sh"
 harness_init gb200 2
-harness_run_pytest tests/functional -m regression
+harness_run_pytest tests/functional -m "l0 or regression"

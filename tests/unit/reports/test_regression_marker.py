@@ -13,8 +13,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from harness.report import regression, signoff
+from harness.report import regression
 from harness.report.junit_read import read_junit
+from harness.report.regressions import regression_rows
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 
@@ -115,7 +116,7 @@ def test_properties_in_junit_and_report(tmp_path) -> None:
         "tests/functional/test_fsdp_bugs.py::test_plain",
         *(f"tests/functional/test_fsdp_bugs.py::test_values[{lr}-{m}]"
           for lr in ("0.5", "None") for m in ("Transformer", "len"))}
-    rows = {r.bug_id: r for r in signoff.regression_rows(list(cases.values()), {})}
+    rows = {r.bug_id: r for r in regression_rows(list(cases.values()), {})}
     assert rows["decoupled-grad-none-segfault"].status == "FAILED"
     assert rows["decoupled-grad-flag-mismatch-silent-no-op"].status == "passed"
     assert rows["another-bug"].description == "second bug"

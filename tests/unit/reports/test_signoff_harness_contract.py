@@ -14,8 +14,8 @@ import subprocess
 import sys
 import textwrap
 
-from harness.report import signoff
 from harness.report.junit_read import FAILED, failing_ranks, one_line_cause, read_junit
+from harness.report.regressions import regression_rows
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 
@@ -53,5 +53,5 @@ def test_report_of_a_real_distributed_run(tmp_path) -> None:
     assert (crash.outcome, failing_ranks(crash)) == (FAILED, [0])
     assert "died" in one_line_cause(crash)
     assert crash.params == (("mode", "crash"),)
-    rows = signoff.regression_rows(list(cases.values()), {"demo-rank-bug": ""})
+    rows = regression_rows(list(cases.values()), {"demo-rank-bug": ""})
     assert [(r.bug_id, r.status) for r in rows] == [("demo-rank-bug", "FAILED")]

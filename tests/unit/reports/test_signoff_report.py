@@ -1,7 +1,8 @@
 """The sign-off report against hand-written JUnit fixtures whose contents are known.
 
 Every expected number below is counted by hand from ``data/*.xml`` (see the comments
-there), so a wrong parser, count, diff or verdict fails these tests.
+there), so a wrong parser, count, diff or verdict fails these tests. These inputs carry no
+sidecar and no matrix axes; ``test_signoff_golden.py`` covers the sidecar-based sections.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import subprocess
 import sys
 
 import pytest
+from report_helpers import run_main, table_rows
 
 from harness.report import signoff
+from harness.report.diff import baseline_diff
 from harness.report.junit_read import (
     ERROR,
     FAILED,
@@ -25,32 +28,12 @@ from harness.report.junit_read import (
     one_line_cause,
     read_junit,
 )
+from harness.report.regressions import parse_required_regressions, regression_rows
 
 DATA = pathlib.Path(__file__).parent / "data"
 REPO = pathlib.Path(__file__).resolve().parents[3]
 KNOWN_BUGS = REPO / "launch_scripts" / "known_bugs.txt"
 CURRENT, BASELINE, ALL_GREEN = DATA / "current.xml", DATA / "baseline.xml", DATA / "all_green.xml"
-
-
-def table_rows(report: str, heading: str) -> list[dict[str, str]]:
-    """Rows of the first Markdown table after ``heading``, as dicts keyed by header."""
-    lines = report.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.strip() == heading)
-    table = []
-    for line in lines[start + 1:]:
-        if line.startswith("|"):
-            table.append(line)
-        elif table:
-            break
-    split = [[c.strip() for c in row.strip("|").split(" | ")] for row in table]
-    headers = split[0]
-    return [dict(zip(headers, row, strict=True)) for row in split[2:]]
-
-
-def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = signoff.main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def by_id(cases):
@@ -74,52 +57,39 @@ def test_parse_outcomes_and_ids() -> None:
 def test_counts_per_suite_and_total(capsys) -> None:
     code, report, _ = run_main(["--junit", CURRENT], capsys)
     assert code == signoff.EXIT_FAIL
-    (total,) = table_rows(report, "## Verdict: FAIL")  # reasons, then the totals table
-    assert total == {"tests": "13", "passed": "7", "failed": "2", "errors": "1",
-                     "skipped": "2", "xfailed": "1"}
-    suites = {r["suite"]: r for r in table_rows(report, "## Results per suite")}
-    assert suites["tests/unit"] == {"suite": "tests/unit", "tests": "4", "passed": "3",
-                                    "failed": "0", "errors": "0", "skipped": "1", "xfailed": "0"}
-    assert suites["tests/functional"] == {"suite": "tests/functional", "tests": "9",
+    (total,) = table_rows(report, "## Verdict: FAIL", "tests")  # rules, then the totals table
+    assert total == {"tests": "13", "passed": "7", "flaky": "0", "failed": "2", "errors": "1",
+                     "skipped": "2", "xfailed": "1", "not run": "0"}
+    suites = {r["suite"]: r for r in table_rows(report, "### Per suite")}
+    assert suites["tests/unit"] == {"suite": "tests/unit", "tests": "4", "passed": "3", "flaky": "0",
+                                    "failed": "0", "errors": "0", "skipped": "1", "xfailed": "0",
+                                    "not run": "0"}
+    assert suites["tests/functional"] == {"suite": "tests/functional", "tests": "9", "flaky": "0",
                                           "passed": "4", "failed": "2", "errors": "1",
-                                          "skipped": "1", "xfailed": "1"}
+                                          "skipped": "1", "xfailed": "1", "not run": "0"}
     files = {r["file"]: r for r in table_rows(report, "### Per test file")}
     assert files["tests/functional/test_zero.py"]["tests"] == "4"
     assert files["tests/functional/test_zero.py"]["failed"] == "1"
 
 
-def test_matrix_axes_and_cells(capsys) -> None:
-    _, report, _ = run_main(["--junit", CURRENT], capsys)
-    axes = {r["parameter"]: r["values"] for r in table_rows(report, "## Configuration matrix")}
-    assert axes == {"dtype": "bf16, fp8", "strategy": "no_shard, optim_grads_params",
-                    "world_size": "2, 4"}
-    per_value = {(r["parameter"], r["value"]): r
-                 for r in table_rows(report, "### Outcomes per parameter value")}
-    assert (per_value[("world_size", "4")]["tests"], per_value[("world_size", "4")]["failed"]) == ("2", "1")
-    assert per_value[("strategy", "no_shard")]["passed"] == "2"
-    assert per_value[("dtype", "fp8")]["skipped"] == "1"
-    cells = {r["cell"]: r for r in table_rows(report, "### Outcomes per matrix cell")}
-    bad = cells["strategy=optim_grads_params, world_size=4"]
-    assert (bad["tests"], bad["passed"], bad["failed"]) == ("1", "0", "1")
-    assert cells["strategy=no_shard, world_size=2"]["passed"] == "1"
-    assert cells["dtype=fp8"]["skipped"] == "1"
-    assert cells[signoff.NOT_PARAMETRISED]["tests"] == "7"
-
-
-def test_matrix_from_bare_ids_without_param_properties(tmp_path, capsys) -> None:
+def test_unit_test_parameters_never_make_a_matrix(tmp_path, capsys) -> None:
+    """Parametrised tests without declared axes (``param:*`` or bare ids) are not matrix cells."""
     xml = tmp_path / "bare.xml"
     xml.write_text('<testsuites><testsuite name="pytest">'
                    '<testcase classname="tests.unit.test_a" name="test_x[2-cpu]"/>'
-                   '<testcase classname="tests.unit.test_a" name="test_x[4-cpu]"/>'
+                   '<testcase classname="tests.unit.test_a" name="test_x[4-cpu]"><properties>'
+                   '<property name="param:bad" value="None"/></properties></testcase>'
                    "</testsuite></testsuites>")
-    _, report, _ = run_main(["--junit", xml], capsys)
-    axes = {r["parameter"]: r["values"] for r in table_rows(report, "## Configuration matrix")}
-    assert axes == {"[id]": "2-cpu, 4-cpu"}
+    for source in (CURRENT, xml):
+        _, report, _ = run_main(["--junit", source], capsys)
+        section = report.split("## Configuration matrix")[1].split("\n## ")[0]
+        assert "No test declares matrix axes" in section
+        assert "bad" not in section and "world_size" not in section
 
 
 def test_failures_list_ranks_and_cause(capsys) -> None:
     _, report, _ = run_main(["--junit", CURRENT], capsys)
-    rows = {r["test"]: r for r in table_rows(report, "## Failures")}
+    rows = {r["test"]: r for r in table_rows(report, "## Failures by rank", "test")}
     assert len(rows) == 3
     train = rows["`tests/functional/test_zero.py::test_train[optim_grads_params-4]`"]
     assert train["failing ranks"] == "1, 3"  # from rankN properties
@@ -182,8 +152,8 @@ def test_regression_table_and_failing_verdict(capsys) -> None:
     mismatch = rows["`decoupled-grad-flag-mismatch-silent-no-op`"]
     assert (mismatch["status"], mismatch["required"]) == ("FAILED", "yes")
     assert mismatch["tests"] == "0 passed, 1 failed, 1 skipped"
-    assert "- 2 test(s) failed" in report and "- 1 test(s) errored" in report
-    assert "- required regression `decoupled-grad-flag-mismatch-silent-no-op` is FAILED" in report
+    assert "- no failures: 2 test(s) failed; 1 test(s) errored" in report
+    assert "- required regressions: `decoupled-grad-flag-mismatch-silent-no-op` is FAILED" in report
 
 
 def test_descriptions_pair_with_their_ids() -> None:
@@ -191,7 +161,7 @@ def test_descriptions_pair_with_their_ids() -> None:
     case = TestCase("r", "t", "x", PASSED, properties=(
         ("regression", "bug-a"), ("regression_description", "about a"),
         ("regression", "bug-b"), ("regression_description", "about b")))
-    rows = {r.bug_id: r for r in signoff.regression_rows([case], {})}
+    rows = {r.bug_id: r for r in regression_rows([case], {})}
     assert rows["bug-a"].description == "about a" and rows["bug-b"].description == "about b"
 
 
@@ -225,45 +195,46 @@ def test_required_regression_missing_or_skipped_fails(tmp_path, capsys, listed, 
     required.write_text(f"# comment\n\n{listed}  why it matters\n")
     code, report, _ = run_main(["--junit", xml, "--require-regressions", required], capsys)
     assert code == signoff.EXIT_FAIL
-    assert f"- required regression `{listed}` is {status}" in report
+    assert f"`{listed}` is {status}" in report.split("### Rules")[0]
 
 
 def test_unrequired_regression_failure_still_fails_only_through_counts(capsys) -> None:
     code, report, _ = run_main(["--junit", CURRENT], capsys)
     assert code == signoff.EXIT_FAIL
-    assert "required regression" not in report.split("## Verdict")[1].split("Generated")[0]
+    assert "required regressions:" not in report.split("## Verdict")[1].split("### Rules")[0]
 
 
 def test_toml_required_list(tmp_path) -> None:
     toml = tmp_path / "bugs.toml"
     toml.write_text('regressions = ["bug-a", {id = "bug-b", description = "about b"}]\n')
-    assert signoff.parse_required_regressions(toml) == {"bug-a": "", "bug-b": "about b"}
+    assert parse_required_regressions(toml) == {"bug-a": "", "bug-b": "about b"}
     toml.write_text('regressions = [1]\n')
     with pytest.raises(JunitError, match=r"regressions\[0\] must be a string"):
-        signoff.parse_required_regressions(toml)
+        parse_required_regressions(toml)
 
 
 def test_known_bugs_file_lists_the_two_decoupled_grad_bugs() -> None:
-    required = signoff.parse_required_regressions(KNOWN_BUGS)
+    required = parse_required_regressions(KNOWN_BUGS)
     assert set(required) == {"decoupled-grad-none-segfault",
                              "decoupled-grad-flag-mismatch-silent-no-op"}
     assert all(required.values())
 
 
 def test_baseline_diff_by_test_id(capsys) -> None:
-    diff = signoff.baseline_diff(read_junit([CURRENT]), read_junit([BASELINE]))
-    assert [k for k, _, _ in diff.newly_failing] == [
+    diff = baseline_diff(read_junit([CURRENT]), read_junit([BASELINE]))
+    assert [k for k, _, _ in diff.new_failures.shown] == [
         "tests/functional/test_decoupled.py::test_flag_mismatch[bf16]",
         "tests/functional/test_zero.py::test_train[optim_grads_params-4]"]
-    assert diff.newly_passing == [
+    assert diff.fixes.shown == [
         ("tests/functional/test_zero.py::test_train[optim_grads_params-2]", FAILED, PASSED)]
-    assert diff.other_changes == [("tests/functional/test_ckpt.py::test_resume", FAILED, ERROR)]
-    assert diff.added == ["tests/unit/test_sharding.py::test_empty_shard"]
-    assert diff.removed == ["tests/unit/test_sharding.py::test_old_api"]
+    assert diff.other_changes.shown == [("tests/functional/test_ckpt.py::test_resume", FAILED, ERROR)]
+    assert diff.newly_skipped.total == 0 and diff.skip_rise == []
+    assert diff.added.shown == ["tests/unit/test_sharding.py::test_empty_shard"]
+    assert diff.vanished.shown == ["tests/unit/test_sharding.py::test_old_api"]
     _, report, _ = run_main(["--junit", CURRENT, "--baseline", BASELINE], capsys)
-    assert "**Newly failing** (2)" in report and "**Removed tests** (1)" in report
+    assert "**New failures** (2)" in report and "**Vanished tests** (1)" in report
     assert f"Baseline: `{BASELINE}`" in report
-    assert "- `tests/unit/test_sharding.py::test_empty_shard`" in report
+    assert "| `tests/unit/test_sharding.py::test_empty_shard` |" in report
 
 
 def test_baseline_diff_keeps_runs_apart_when_labels_match(tmp_path) -> None:
@@ -273,11 +244,11 @@ def test_baseline_diff_keeps_runs_apart_when_labels_match(tmp_path) -> None:
             shutil.copy(src if gen == "h100" else ALL_GREEN, tmp_path / side / gen / "L0.xml")
     now = read_junit([tmp_path / "now"])
     assert {c.run for c in now} == {"h100/L0", "b200/L0"}
-    diff = signoff.baseline_diff(now, read_junit([tmp_path / "before"]))
-    assert [k for k, _, _ in diff.newly_failing] == [
+    diff = baseline_diff(now, read_junit([tmp_path / "before"]))
+    assert [k for k, _, _ in diff.new_failures.shown] == [
         "h100/L0 :: tests/functional/test_decoupled.py::test_flag_mismatch[bf16]",
         "h100/L0 :: tests/functional/test_zero.py::test_train[optim_grads_params-4]"]
-    assert diff.added == ["h100/L0 :: tests/unit/test_sharding.py::test_empty_shard"]
+    assert diff.added.shown == ["h100/L0 :: tests/unit/test_sharding.py::test_empty_shard"]
 
 
 def test_suite_name_labels_the_run(tmp_path) -> None:
@@ -303,7 +274,7 @@ def test_empty_run_fails(tmp_path, capsys) -> None:
     xml.write_text('<testsuites><testsuite name="pytest" tests="0"/></testsuites>')
     code, report, _ = run_main(["--junit", xml], capsys)
     assert code == signoff.EXIT_FAIL
-    assert "- no test results in the JUnit input" in report
+    assert "- tests ran: no test results" in report
 
 
 @pytest.mark.parametrize(("content", "message"), [
@@ -361,9 +332,6 @@ def test_several_runs_get_a_per_run_table_and_prefixed_cells(tmp_path, capsys) -
     runs = {r["run"]: r for r in table_rows(report, "### Per run")}
     assert (runs["cpu/L0_unit"]["tests"], runs["cpu/L0_unit"]["failed"]) == ("4", "0")
     assert (runs["h100/L0_unit"]["tests"], runs["h100/L0_unit"]["failed"]) == ("13", "2")
-    cells = {r["cell"]: r for r in table_rows(report, "### Outcomes per matrix cell")}
-    assert cells["h100/L0_unit: dtype=bf16"]["failed"] == "1"
-    assert cells["cpu/L0_unit: dtype=bf16"]["passed"] == "1"
     rows = {r["bug id"]: r for r in table_rows(report, "## Known bugs and their regression tests")}
     # one run's failure fails the bug, whatever the other run did
     assert rows["`decoupled-grad-flag-mismatch-silent-no-op`"]["status"] == "FAILED"
@@ -394,18 +362,17 @@ def test_xunit1_file_attribute_disambiguates_module_and_class(tmp_path) -> None:
     assert without.test_id == "tests/unit.py::Test_upper::TestA::test_c"
 
 
-def test_numeric_values_sort_naturally(tmp_path, capsys) -> None:
+def test_axis_values_sort_naturally(tmp_path, capsys) -> None:
     xml = tmp_path / "n.xml"
     cases = "".join(
         f'<testcase classname="tests.f.test_w" name="test_w[{w}]"><properties>'
-        f'<property name="param:world_size" value="{w}"/></properties></testcase>'
+        f'<property name="axis:mesh" value="dp{w}"/><property name="axis:zero" value="3"/></properties></testcase>'
         for w in (16, 2, 8, 1))
     xml.write_text(f'<testsuites><testsuite name="pytest">{cases}</testsuite></testsuites>')
     _, report, _ = run_main(["--junit", xml], capsys)
-    axes = {r["parameter"]: r["values"] for r in table_rows(report, "## Configuration matrix")}
-    assert axes == {"world_size": "1, 2, 8, 16"}
-    cells = [r["cell"] for r in table_rows(report, "### Outcomes per matrix cell")]
-    assert cells == ["world_size=1", "world_size=2", "world_size=8", "world_size=16"]
+    rows = table_rows(report, "## Configuration matrix")
+    assert [r["mesh"] for r in rows] == ["dp1", "dp2", "dp8", "dp16"]
+    assert all(r["zero=3"] == "pass 1" for r in rows)
 
 
 def test_a_file_named_twice_is_read_once(tmp_path) -> None:

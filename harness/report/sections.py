@@ -1,0 +1,173 @@
+"""Everything the sign-off shows, computed once from the loaded runs; the Markdown, HTML and JSON
+renderers only format a :class:`Report`."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import pathlib
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from harness.report import matrix_view
+from harness.report.diff import BaselineDiff, baseline_diff
+from harness.report.junit_read import (
+    FLAKY,
+    NOT_RUN,
+    SKIPPED,
+    XFAILED,
+    Counts,
+    JunitError,
+    TestCase,
+    failing_ranks,
+    one_line_cause,
+)
+from harness.report.regressions import RegressionRow, regression_rows
+from harness.report.runs import Run
+from harness.report.verdict import Rule, notes, rules, verdict
+
+SLOWEST = 10
+ENV_FIELDS = (  # (label, key path in the sidecar's environment)
+    ("torch", "torch"), ("CUDA", "cuda"), ("NCCL", "nccl"), ("cuDNN", "cudnn"),
+    ("TransformerEngine", "transformer_engine"), ("GPUs", "gpu_count"), ("GPU names", "gpu_names"),
+    ("driver", "driver"), ("backend", "backend"), ("git commit", "git.commit"), ("git dirty", "git.dirty"),
+    ("python", "python"), ("pytest", "pytest"), ("pytest-xdist", "xdist"), ("host", "host"),
+    ("CPU count", "cpu_count"), ("HARNESS_* settings", "harness_env"),
+)
+
+
+@dataclasses.dataclass
+class FailureRow:
+    case: TestCase
+    ranks: list[int]
+    rank_states: str
+    cause: str
+
+
+@dataclasses.dataclass
+class SkipGroup:
+    reason: str
+    cases: list[TestCase]
+
+
+@dataclasses.dataclass
+class Report:
+    """The computed sign-off, in report order."""
+
+    title: str
+    generated: str
+    sources: list[str]
+    runs: list[Run]
+    passed: bool
+    reasons: list[str]
+    rules: list[Rule]
+    notes: list[str]
+    counts: Counts
+    diff: BaselineDiff | None
+    baseline_sources: list[str]
+    matrix: matrix_view.MatrixView
+    regressions: list[RegressionRow]
+    failures: list[FailureRow]
+    failures_per_rank: list[tuple[int, int]]
+    flaky: list[TestCase]
+    skips: list[SkipGroup]
+    slowest: list[TestCase]
+    buckets: list[dict[str, Any]]
+    environment: list[tuple[str, list[str]]]  # (field, value per run)
+    mutants: dict[str, Any] | None
+
+    @property
+    def gating_cases(self) -> list[TestCase]:
+        return [c for r in self.runs if r.gating for c in r.cases]
+
+    def by(self, key: str) -> dict[str, list[TestCase]]:
+        """Gating tests grouped by ``suite``, ``module_path`` or ``run``."""
+        groups: dict[str, list[TestCase]] = defaultdict(list)
+        for case in self.gating_cases:
+            groups[getattr(case, key)].append(case)
+        return dict(sorted(groups.items()))
+
+
+def _rank_states(case: TestCase) -> str:
+    if not case.ranks:
+        return "-"
+    counts = Counter(state for _, state, _ in case.ranks)
+    return ", ".join(f"{n} {state}" for state, n in sorted(counts.items()))
+
+
+def failure_rows(cases: Sequence[TestCase]) -> tuple[list[FailureRow], list[tuple[int, int]]]:
+    """Failing tests with their failing ranks and cause, and how many failures each rank had."""
+    rows = [FailureRow(c, failing_ranks(c) or [r for r, s, _ in c.ranks if s not in ("passed", "skipped")],
+                       _rank_states(c), one_line_cause(c))
+            for c in sorted((c for c in cases if c.failing), key=lambda c: (c.run, c.test_id))]
+    per_rank = Counter(rank for row in rows for rank in row.ranks)
+    return rows, sorted(per_rank.items())
+
+
+def skip_groups(cases: Sequence[TestCase]) -> list[SkipGroup]:
+    """Skipped, xfailed and never-run tests grouped by reason, biggest group first."""
+    groups: dict[str, list[TestCase]] = defaultdict(list)
+    for case in cases:
+        if case.outcome in (SKIPPED, XFAILED, NOT_RUN):
+            groups[f"{case.outcome}: {one_line_cause(case)}"].append(case)
+    return [SkipGroup(r, sorted(g, key=lambda c: (c.run, c.test_id)))
+            for r, g in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
+
+
+def bucket_rows(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """Every bucket of every run, slowest first (its tests' wall time, start-ups included)."""
+    rows = [dict(b, run=r.label, startup_total_s=round(sum(b.get("startup_s") or []), 3))
+            for r in runs for b in r.buckets]
+    return sorted(rows, key=lambda b: -float(b.get("duration_s") or 0.0))
+
+
+def _lookup(env: dict[str, Any], path: str) -> str:
+    value: Any = env
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    if value is None or value == [] or value == {}:
+        return "-"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, list):
+        return ", ".join(f"{n} x {name}" for name, n in Counter(map(str, value)).items())
+    return str(value)
+
+
+def environment_rows(runs: Sequence[Run]) -> list[tuple[str, list[str]]]:
+    return [(label, [_lookup(r.environment, path) for r in runs]) for label, path in ENV_FIELDS]
+
+
+def read_mutants(path: pathlib.Path) -> dict[str, Any]:
+    """The mutation runner's summary (``tests/mutants``): tier, and per mutant status and killers."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise JunitError(f"cannot read --mutants file {path}: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("mutants"), list):
+        raise JunitError(f"{path}: expected a JSON object with a 'mutants' list")
+    return data
+
+
+def build_report(title: str, runs: list[Run], required: dict[str, str], baseline: list[TestCase] | None,
+                 sources: Sequence[str], baseline_sources: Sequence[str] = (), diff_limit: int = 20,
+                 mutants: dict[str, Any] | None = None) -> Report:
+    """Compute every section of the sign-off."""
+    gating = [c for r in runs if r.gating for c in r.cases]
+    rows = regression_rows(gating, required)
+    rule_list = rules(runs, rows)
+    passed, reasons = verdict(rule_list)
+    failures, per_rank = failure_rows(gating)
+    declared = next((r.matrix_axes for r in runs if r.matrix_axes), [])
+    flaky = [c for r in runs for c in r.cases if c.outcome == FLAKY or not r.gating]
+    return Report(
+        title=title, generated=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        sources=list(sources), runs=runs, passed=passed, reasons=reasons, rules=rule_list, notes=notes(runs),
+        counts=Counts.of(gating),
+        diff=baseline_diff(gating, baseline, diff_limit) if baseline is not None else None,
+        baseline_sources=list(baseline_sources), matrix=matrix_view.build(gating, declared), regressions=rows,
+        failures=failures, failures_per_rank=per_rank, flaky=sorted(flaky, key=lambda c: (c.run, c.test_id)),
+        skips=skip_groups(gating), slowest=sorted(gating, key=lambda c: -c.seconds)[:SLOWEST],
+        buckets=bucket_rows(runs)[:SLOWEST], environment=environment_rows(runs), mutants=mutants)

@@ -1,0 +1,59 @@
+"""The sign-off as JSON (``summary.json``): the same content for dashboards and scripts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from harness.report.diff import Capped
+from harness.report.junit_read import Counts, TestCase, one_line_cause
+from harness.report.sections import Report
+
+
+def _test(case: TestCase) -> dict[str, Any]:
+    return {"id": case.test_id, "run": case.run, "outcome": case.outcome}
+
+
+def _capped(capped: Capped) -> dict[str, Any]:
+    return {"total": capped.total, "shown": capped.shown}
+
+
+def summary(rep: Report) -> dict[str, Any]:
+    m = rep.matrix
+    diff = None
+    if rep.diff is not None:
+        d = rep.diff
+        diff = {"sources": rep.baseline_sources, "limit": d.limit, "new_failures": _capped(d.new_failures),
+                "fixes": _capped(d.fixes), "newly_skipped": _capped(d.newly_skipped),
+                "vanished": _capped(d.vanished), "added": _capped(d.added),
+                "other_changes": _capped(d.other_changes),
+                "skip_rise": [{"run": r, "before": b, "now": n} for r, b, n in d.skip_rise]}
+    cells = []
+    for (row, col), cell in sorted(m.cells.items()):
+        axes = dict(zip(m.row_axes, row, strict=True))
+        if m.column_axis is not None:
+            axes[m.column_axis] = col
+        cells.append({"axes": axes, "outcome": cell.outcome, "tests": [_test(c) for c in cell.cases]})
+    return {
+        "title": rep.title, "generated": rep.generated, "sources": rep.sources,
+        "verdict": "PASS" if rep.passed else "FAIL", "reasons": rep.reasons, "notes": rep.notes,
+        "rules": [dataclasses.asdict(r) for r in rep.rules], "counts": rep.counts.as_dict(),
+        "runs": [{"label": r.label, "source": r.source, "gating": r.gating, "complete": r.complete,
+                  "mutant": r.mutant, "problems": r.problems, "counts": Counts.of(r.cases).as_dict()}
+                 for r in rep.runs],
+        "suites": {s: Counts.of(g).as_dict() for s, g in rep.by("suite").items()},
+        "baseline": diff,
+        "matrix": {"axes": m.axes, "column_axis": m.column_axis, "cell_counts": m.cell_counts(), "cells": cells},
+        "regressions": [{"bug_id": r.bug_id, "description": r.description, "required": r.required,
+                         "status": r.status, "tests": [_test(c) for c in r.cases]} for r in rep.regressions],
+        "failures": [{**_test(f.case), "ranks": f.ranks, "rank_states": f.rank_states, "cause": f.cause}
+                     for f in rep.failures],
+        "failures_per_rank": {str(r): n for r, n in rep.failures_per_rank},
+        "flaky": [{**_test(c), "gating": c.gating, "detail": one_line_cause(c)} for c in rep.flaky],
+        "skips": [{"reason": g.reason, "count": len(g.cases), "tests": [c.test_id for c in g.cases]}
+                  for g in rep.skips],
+        "slowest": [{**_test(c), "seconds": round(c.seconds, 3)} for c in rep.slowest],
+        "buckets": rep.buckets,
+        "environment": {r.label: r.environment for r in rep.runs},
+        "mutants": rep.mutants,
+    }

@@ -1,0 +1,59 @@
+"""The L0 selection of the functional suites: a few cheap cells of every suite get the ``l0`` mark.
+
+L0 runs on every change, so it must stay within minutes on 2 CPU cores yet touch every suite
+(``launch_scripts/<gen>/active/L0_functional.sh`` selects ``-m "l0 or regression"``). The cells
+below are chosen per suite for cost (2 ranks where the suite has them) and for the bug classes
+they catch (``tests/mutants``: each mutant that L0 kills is killed by one of them). A new suite
+adds at least one cell here; ``tests/unit/reports/test_functional_suites.py`` checks that every suite
+has one, that every listed cell exists and that none is marked ``slow`` (L0 deselects those).
+"""
+from __future__ import annotations
+
+import pytest
+
+L0_MARKER = "l0"
+L0_CELLS = (
+    # checkpoints: DTensor state dicts; exact resume on 2 ranks (ZeRO-1 Transformer: a load that
+    # leaves stale compute weights, drops the optimizer state or advances Adam's step shows)
+    "test_checkpoint_dist_errors.py::test_state_dicts_are_dtensors_with_global_shapes[optim_grads_params]",
+    "test_checkpoint_resume.py::test_resume_is_bit_exact[ws2-transformer-optim-outer_none]",
+    # decoupled grads: present after sync (empty shards included), clipping, and the losses
+    "test_decoupled_grad.py::TestDecoupledGrad::test_decoupled_grads_present_after_sync[3-ws2]",
+    "test_decoupled_grad.py::TestDecoupledGrad::test_clip_norm_matches_reference[3-ws2]",
+    "test_decoupled_grad.py::TestDecoupledGrad::test_losses_match_reference[3-ws2]",
+    "test_decoupled_grad_outer.py::TestDecoupledGradOuter::test_losses_match_reference[optim_grads_params-outer_optim]",
+    # engine: argument errors, accumulation, meta init, grads kept as views across zero_grad
+    "test_engine_errors.py::test_unknown_strategy[zero3]",
+    "test_engine_features.py::test_accumulation_grads_absent_until_sync_then_present_everywhere[optim_grads_params]",
+    "test_engine_features.py::test_meta_init_equals_eager_init[optim_grads_params-cnn]",
+    "test_engine_features.py::test_zero_grad_keep_views_trains_like_reference[optim_grads_params]",
+    "test_engine_seed_compat.py::test_fully_shard_seed_style[cnn-optim_grads_params-plain]",
+    "test_fully_shard_matrix.py::test_fully_shard[cnn-optim_grads_params-outer_optim-mesh2221-eager]",
+    # meshes: errors, HSDP parity and traffic, CP, TP, the 2-rank shapes
+    "test_mesh_errors.py::test_device_mesh_none_builds_1d_mesh_over_the_world",
+    "test_mesh_hsdp.py::test_hsdp_parity_and_traffic[cnn-optim_grads_params]",
+    "test_mesh_tp_cp.py::test_cp_sequence_chunks_match_full_sequence[optim_grads_params-fsdp]",
+    "test_mesh_tp_dtensor.py::test_tp_dtensor_world2[3]",
+    "test_mesh_world2.py::test_hsdp_world2[optim_grads_params]",
+    "test_mesh_world2.py::test_plain_fsdp_world2[no_shard]",
+    # parity with a single-process reference (SGD: catches a sum instead of an average)
+    "test_parity.py::test_parity_world2[optim_grads_params-cnn-fp32-mb1-eager]",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{L0_MARKER}: a functional cell of the L0 tier (tests/functional/conftest.py)")
+
+
+def l0_id(item: pytest.Item) -> str:
+    """The item's node id relative to tests/functional, as ``L0_CELLS`` lists it."""
+    return item.nodeid.split("tests/functional/", 1)[-1]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the listed cells before ``-m`` deselects anything."""
+    cells = set(L0_CELLS)
+    for item in items:
+        if l0_id(item) in cells:
+            item.add_marker(L0_MARKER)

@@ -1,0 +1,231 @@
+"""The mutation catalogue: one deliberately broken variant (mutant) per known bug class of
+sharded data-parallel training and of its test harness.
+
+Each public function below applies one mutant when called; the harness calls it at the start of
+every process of a run named by ``HARNESS_MUTANT=tests.mutants.catalogue:<name>``. A mutant
+patches by name through :func:`tests.mutants.patching.replace`, which raises when the target is
+gone, so a stale mutant cannot pass for a killed one. ``MUTANTS`` lists them with the bug class
+and the narrowest test selection expected to kill each (``python -m tests.mutants.runner --narrow``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from tests.mutants.patching import replace
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug_class: str
+    narrow: tuple[str, ...]  # pytest arguments selecting the tests that should kill it
+
+
+def _wrap_after(after: Callable[..., None]) -> Callable[[Any], Any]:
+    """A ``make`` for :func:`replace`: call the original, then ``after`` with the same arguments."""
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def mutated(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            after(*args, **kwargs)
+            return result
+        return mutated
+    return make
+
+
+# ----------------------------------------------------------------------------------- optimizer
+def adam_dummy_step_on_load() -> None:
+    """Loading a checkpoint runs a dummy optimizer step to create the state: Adam's step count
+    ends one ahead of the saved run, so bias correction (and every later update) differs."""
+    def advance(model: Any, optimizer: Any, *rest: Any, **kw: Any) -> None:
+        for state in optimizer.state.values():
+            if "step" in state:
+                state["step"] += 1
+    replace("fsdp_impl.checkpoint._api:install_optimizer_state", _wrap_after(advance))
+
+
+def optimizer_state_dropped_on_load() -> None:
+    """Loading a checkpoint restores the weights and hyper-parameters but not the optimizer state
+    (moments and step start from zero again)."""
+    replace("fsdp_impl.checkpoint._api:install_optimizer_state",
+            _wrap_after(lambda model, optimizer, *rest, **kw: optimizer.state.clear()))
+
+
+def stale_weights_after_load() -> None:
+    """After a checkpoint load the engine believes its compute weights are current, so ZeRO-0/1/2
+    forwards keep using the weights from before the load."""
+    def forget(model: Any, *rest: Any, **kw: Any) -> None:
+        for unit in model._fsdp_engine.units:
+            unit.synced_version = unit.version_signature()
+    replace("fsdp_impl.checkpoint._api:_install_model_state", _wrap_after(forget))
+
+
+# ------------------------------------------------------------------------------ grad reduction
+def grads_summed_not_averaged() -> None:
+    """Gradients are summed across data-parallel ranks instead of averaged (world-size x too large;
+    Adam hides much of it, SGD does not)."""
+    import torch.distributed as dist
+
+    def rs_sum(original: Any) -> Any:
+        def reduce_scatter_sum(output: Any, full: Any, group: Any) -> None:
+            dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group)
+        return reduce_scatter_sum
+
+    def ar_sum(original: Any) -> Any:
+        def all_reduce_sum(tensor: Any, group: Any) -> None:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return all_reduce_sum
+    replace("fsdp_impl.comm:reduce_scatter_avg", rs_sum)
+    replace("fsdp_impl.comm:all_reduce_avg", ar_sum)
+
+
+def hsdp_outer_reduce_every_microbatch() -> None:
+    """HSDP all-reduces grads across dp_outer on every microbatch instead of once per
+    optimisation cycle (numerically equal, AVG being linear; only the traffic shows it)."""
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def finish(self: Any) -> None:
+            original(self)
+            if not self.sync and self.outer_reducer is not None:
+                self.outer_reducer.reduce([u.grad for u in self.units])
+        return finish
+    replace("fsdp_impl.engine:FSDPEngine._finish_backward", make)
+
+
+def hsdp_outer_reduce_never() -> None:
+    """HSDP never averages grads across the dp_outer replicas: each replica trains on its own data."""
+    replace("fsdp_impl.grad_reduce:OuterGradReducer.reduce", lambda original: lambda self, grad_buffers: None)
+
+
+def accumulation_syncs_every_microbatch() -> None:
+    """``set_model_auto_sync(False)`` is ignored: every microbatch reduces and installs grads."""
+    def make(original: Any) -> Any:
+        def set_model_auto_sync(self: Any, sync: bool) -> None:
+            original(self, True)
+        return set_model_auto_sync
+    replace("fsdp_impl.module:FullyShardedModule.set_model_auto_sync", make)
+
+
+# ----------------------------------------------------------------------------- decoupled grads
+def decoupled_grad_none_on_empty_shards() -> None:
+    """Ranks whose shard of a parameter is empty get ``decoupled_grad = None`` instead of an empty
+    DTensor (what crashed fused clipping kernels)."""
+    def drop(unit: Any, decoupled: bool) -> None:
+        if decoupled:
+            for p in unit.trainable:
+                if p.sharded_local().numel() == 0:
+                    p.sharded.decoupled_grad = None
+    replace("fsdp_impl.unit:FSDPUnit.install_grads", _wrap_after(drop))
+
+
+def optimizer_reads_grad_not_decoupled_grad() -> None:
+    """The buffer writes ``decoupled_grad`` while the optimizer reads ``.grad`` (None): every step
+    is a silent no-op."""
+    replace("fsdp_impl.optim.adam:read_grad", lambda original: lambda param, use_decoupled_grad: param.grad)
+
+
+def clip_grad_norm_local_only() -> None:
+    """Gradient clipping uses each rank's local shard norm instead of the global norm."""
+    replace("fsdp_impl.clip_grad:_reduce", lambda original: lambda partial, group, norm_type: partial)
+
+
+# ----------------------------------------------------------------------------------- meta init
+def meta_init_same_rng_per_shard() -> None:
+    """Meta-device init draws each rank's shard from the same RNG state: every shard of a
+    parameter holds the values of the first one instead of its slice of one full tensor."""
+    import torch
+
+    def make(original: Any) -> Any:
+        def reset_fn(module: Any) -> Any:
+            reset = original(module)
+            if reset is None:
+                return None
+
+            def same_values_per_shard() -> None:
+                reset()
+                world = torch.distributed.get_world_size()
+                with torch.no_grad():
+                    for param in module.parameters(recurse=False):
+                        rows = param.shape[0] if param.dim() else 0
+                        step = -(-rows // world) if rows else 0
+                        for start in range(step, rows, step):
+                            n = min(step, rows - start)
+                            param[start:start + n].copy_(param[:n])
+            return same_values_per_shard
+        return reset_fn
+    replace("fsdp_impl.meta_init:_reset_fn", make)
+
+
+def meta_init_rng_not_synchronised() -> None:
+    """Meta-device init starts every rank's RNG from its own state, so the ranks' shards come from
+    different full tensors."""
+    import torch
+
+    def make(original: Any) -> Any:
+        def own_rng(device: Any, group: Any) -> None:
+            torch.manual_seed(1000 + torch.distributed.get_rank())
+        return own_rng
+    replace("fsdp_impl.api:sync_rng_from_rank0", make)
+
+
+# ---------------------------------------------------------------------------------- zero_grad
+def zero_grad_drops_grad_views() -> None:
+    """``zero_grad(set_to_none=False)`` frees the grad buffers as ``set_to_none=True`` does, so the
+    ``.grad`` views a captured CUDA graph (or any holder) keeps are dropped and replaced."""
+    replace("fsdp_impl.unit:FSDPUnit.zero_grad_buffers",
+            lambda original: lambda self, free=False: original(self, True))
+
+
+# ------------------------------------------------------------------------------------- harness
+def harness_rank0_outcome_only() -> None:
+    """The harness reports a distributed test by rank 0's outcome alone: a failure on another
+    rank passes."""
+    def make(original: Any) -> Any:
+        def rank0_phase(self: Any, when: str, props: Any) -> Any:
+            saved = self.per_rank, self.errors, self.world_size
+            self.per_rank = {0: self.per_rank.get(0, {})}
+            self.errors = {r: e for r, e in self.errors.items() if r == 0}
+            self.world_size = 1
+            try:
+                return original(self, when, props)
+            finally:
+                self.per_rank, self.errors, self.world_size = saved
+        return rank0_phase
+    replace("harness.combine:ReportBuilder._merge_phase", make)
+
+
+F = "tests/functional/"
+MUTANTS = (
+    Mutant("adam_dummy_step_on_load", "optimizer dummy step advances Adam's step count",
+           (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2")),
+    Mutant("optimizer_state_dropped_on_load", "optimizer state dropped on load",
+           (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2")),
+    Mutant("stale_weights_after_load", "stale compute weights after checkpoint load",
+           (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2")),
+    Mutant("grads_summed_not_averaged", "grads summed instead of averaged",
+           (F + "test_mesh_world2.py", "-k", "test_plain_fsdp_world2")),
+    Mutant("hsdp_outer_reduce_every_microbatch", "HSDP outer reduce on every microbatch",
+           (F + "test_mesh_world2.py", "-k", "test_hsdp_world2")),
+    Mutant("hsdp_outer_reduce_never", "HSDP outer reduce never",
+           (F + "test_mesh_world2.py", "-k", "test_hsdp_world2")),
+    Mutant("accumulation_syncs_every_microbatch", "grad accumulation ignores no-sync microbatches",
+           (F + "test_engine_features.py", "-k", "test_accumulation_grads_absent_until_sync")),
+    Mutant("decoupled_grad_none_on_empty_shards", "decoupled_grad None on empty shards",
+           (F + "test_decoupled_grad.py", "-k", "test_decoupled_grads_present_after_sync and ws2")),
+    Mutant("optimizer_reads_grad_not_decoupled_grad", "optimizer reads .grad while the buffer writes decoupled_grad",
+           (F + "test_decoupled_grad.py", "-k", "test_losses_match_reference and ws2")),
+    Mutant("clip_grad_norm_local_only", "grad clipping by the local instead of the global norm",
+           (F + "test_decoupled_grad.py", "-k", "test_clip_norm_matches_reference and ws2")),
+    Mutant("meta_init_same_rng_per_shard", "meta init with the same RNG on every rank",
+           (F + "test_engine_features.py", "-k", "test_meta_init_equals_eager_init")),
+    Mutant("meta_init_rng_not_synchronised", "meta init with a different RNG state per rank",
+           (F + "test_engine_features.py", "-k", "test_meta_init_equals_eager_init")),
+    Mutant("zero_grad_drops_grad_views", "zero_grad(set_to_none=True) semantics drop captured grad views",
+           (F + "test_engine_features.py", "-k", "test_zero_grad_keep_views")),
+    Mutant("harness_rank0_outcome_only", "the harness aggregates only rank 0's outcome",
+           ("tests/unit/reports/test_signoff_harness_contract.py",)),
+)
+BY_NAME = {m.name: m for m in MUTANTS}

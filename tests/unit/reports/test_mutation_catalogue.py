@@ -1,0 +1,50 @@
+"""The mutation catalogue (tests/mutants): every mutant applies to today's code, and one whose
+target is gone is reported as not applying instead of being run against the real code."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.mutants import catalogue, patching, runner
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+APPLY_ALL = """
+from tests.mutants import catalogue, patching
+patched = 0
+for m in catalogue.MUTANTS:
+    getattr(catalogue, m.name)()
+    assert patching.APPLIED and not patching.verify(), (m.name, patching.verify())
+    patched += len(patching.APPLIED)
+    patching.undo()
+print("APPLIED", patched)
+"""
+
+
+def test_catalogue_covers_the_known_bug_classes() -> None:
+    assert len(catalogue.MUTANTS) >= 10
+    assert len(catalogue.BY_NAME) == len(catalogue.MUTANTS)
+    for mutant in catalogue.MUTANTS:
+        assert callable(getattr(catalogue, mutant.name)), mutant.name
+        assert mutant.narrow and mutant.bug_class
+
+
+def test_every_mutant_applies() -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", APPLY_ALL], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"APPLIED {len(catalogue.MUTANTS) + 1}" in out.stdout  # grads_summed patches two functions
+
+
+def test_a_missing_target_does_not_apply() -> None:
+    with pytest.raises(patching.MutantDoesNotApply, match="defines no 'no_such_function'"):
+        patching.replace("fsdp_impl.comm:no_such_function", lambda original: None)
+    with pytest.raises(patching.MutantDoesNotApply, match="cannot import"):
+        patching.replace("fsdp_impl.no_such_module:f", lambda original: None)
+    stale = catalogue.Mutant("no_such_mutant", "a mutant whose function was removed", ("tests",))
+    assert "AttributeError" in (runner.applies(stale) or "")
