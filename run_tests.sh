@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README quick start, step 2; .ci/run calls exactly this).
 # Creates or reuses .venv, installs torch (CPU build when no NVIDIA GPU is present) and the project with its
-# test extras, then runs the CPU L0 tier (unit suites, the l0 cells of every functional suite and the
+# test and lint extras, then runs ruff and mypy, the CPU L0 tier (unit suites, the l0 cells of every functional suite and the
 # known-bug regression tests, with a sign-off report) and every test L0 leaves out (slow ones, the rest of the functional suites), writing
 # JUnit XML under results/. With arguments,
 # it runs plain pytest with them instead (e.g. bash run_tests.sh tests/unit/fsdp -x).
@@ -27,8 +27,8 @@ if ! python -c 'import torch' 2>/dev/null; then
     echo "[run_tests] installing torch 2.13.0 (CPU build)"
     python -m pip install -q torch==2.13.0
 fi
-echo "[run_tests] installing fsdp-harness with test extras"
-python -m pip install -q -e '.[test]'
+echo "[run_tests] installing fsdp-harness with test and lint extras"
+python -m pip install -q -e '.[test,lint]'
 
 # pytest-forked 1.7.5 breaks on pytest >= 9.2; the pin lives in pyproject.toml and is checked here.
 python - <<'PY'
@@ -49,8 +49,12 @@ fi
 # launch_scripts/cpu runs it, followed by everything L0 leaves out: the slow unit tests and
 # the functional tests that are not "(l0 or regression) and not slow".
 rc=0
+# Lint and types first (seconds); a finding fails the run, but the tests still run and report.
+echo "[run_tests] ruff check . && mypy"
+ruff check . || rc=$?
+mypy || rc=$?
 HARNESS_OUT_DIR="$OUT" bash launch_scripts/run_tier.sh L0 --gen cpu || rc=$?
-echo "[run_tests] L0 tier (cpu) exit status $rc; sign-off report: $OUT/signoff/report.md (and .html)"
+echo "[run_tests] lint + L0 tier (cpu) exit status $rc; sign-off report: $OUT/signoff/report.md (and .html)"
 
 # rest NAME PATH EXPR: pytest on PATH -m EXPR into $OUT/NAME.xml; nothing selected is fine.
 rest() {
