@@ -101,6 +101,11 @@ class TeFp8Param:
                                  f"{None if data is None else (tuple(data.shape), data.dtype)}, expected "
                                  f"{self.shape} uint8 bytes")
             self.storage.append(data)
+        # Row-wise scale inverses of block-scaled tensors: TE's ``update_usage`` drops them with the
+        # row-wise bytes (keeping only the column-wise form for a backward); the next sharded
+        # quantisation writes into them in place, so they are put back with the bytes.
+        self.scale_invs = {name: value for name in ("_rowwise_scale_inv",)
+                           if (value := getattr(tensor, name, None)) is not None and "_data" not in fields}
         clear = getattr(tensor, "clear_high_precision_init_val", None)
         if callable(clear):
             clear()  # the main copy holds it now
@@ -112,6 +117,9 @@ class TeFp8Param:
         """Point the tensor's byte planes at the engine's storage (freed or not)."""
         for field, data in zip(self.fields, self.storage, strict=True):
             setattr(self.tensor, field, data)
+        for name, value in self.scale_invs.items():
+            if getattr(self.tensor, name, None) is None:
+                setattr(self.tensor, name, value)
 
     def filled(self, keep_transpose: bool) -> None:
         """New bytes landed: drop stale transposes; with ``keep_transpose`` build them now (what

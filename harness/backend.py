@@ -5,8 +5,11 @@ This is the one place in the harness that decides between CUDA/NCCL and CPU/gloo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -63,12 +66,25 @@ def _cuda_usable() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@functools.cache
 def _cuda_capability() -> tuple[int, int] | None:
+    """The lowest compute capability of the visible GPUs, asked of a child process: torch's
+    ``get_device_capability`` initialises CUDA in the caller, after which no forked test
+    (``@pytest.mark.forked``) of this process can use CUDA."""
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
         return None
-    return min(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
+    if torch.cuda.is_initialized():
+        return min(torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))
+    code = ("import torch; print(min(torch.cuda.get_device_capability(i) "
+            "for i in range(torch.cuda.device_count())))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+        major, minor = out.stdout.strip().strip("()").split(",")
+        return int(major), int(minor)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
 
 
 def _module_available(name: str) -> bool:

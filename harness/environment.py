@@ -56,6 +56,17 @@ def gpus() -> dict[str, Any]:
             "compute_capability": sorted({r[2] for r in rows if len(r) > 2})}
 
 
+def _cudnn_version() -> str | None:
+    """cuDNN's version from the pip package torch loads it from. Never ``torch.backends.cudnn.version()``:
+    that loads libcudnn into the pytest process at session start, and a library that later loads
+    another cuDNN build by path (TransformerEngine does) then fails with undefined symbols."""
+    for name in ("nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "nvidia-cudnn-cu11"):
+        version = _dist_version(name)
+        if version is not None:
+            return version
+    return None
+
+
 def torch_versions() -> dict[str, Any]:
     """torch, CUDA, NCCL and cuDNN versions as built into torch (None where not built in)."""
     try:
@@ -69,9 +80,8 @@ def torch_versions() -> dict[str, Any]:
             nccl = ".".join(map(str, ver)) if isinstance(ver, tuple) else str(ver)
     except Exception:  # no NCCL in this build, or no CUDA runtime to ask
         nccl = None
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
-            "cudnn": str(cudnn) if cudnn is not None else None,
+            "cudnn": _cudnn_version() if torch.backends.cudnn.is_available() else None,
             "gloo": bool(torch.distributed.is_available() and torch.distributed.is_gloo_available())}
 
 
