@@ -330,9 +330,11 @@ class FSDPUnit:
     def install_grads(self, decoupled: bool) -> None:
         """Expose the main-grad shards on the DTensor params (``.grad`` or ``.decoupled_grad``).
 
-        Same dtype: a persistent DTensor view of the grad buffer. Different dtype (e.g. fp32 grads
-        for bf16 main params): a cast copy, because torch requires ``grad.dtype == param.dtype``;
-        under CUDA-graph mode the copy is persistent too (re-filled in place on each install).
+        Same dtype: a persistent DTensor view of the grad buffer, made once (``DTensor`` creation
+        is slow) and re-installed after ``zero_grad(set_to_none=True)``: freeing the buffer keeps
+        its storage object, so the views see the re-allocated memory. Different dtype (e.g. fp32
+        grads for bf16 main params): a cast copy, because torch requires ``grad.dtype ==
+        param.dtype``; under CUDA-graph mode the copy is persistent too (re-filled in place).
         """
         if self.grad is None:
             return
@@ -340,13 +342,15 @@ class FSDPUnit:
         attr = grad_attr_name(decoupled)
         for p in self.trainable:
             i, sharded = p.grad_slot, p.sharded
-            current, cached = getattr(sharded, attr, None), self._grad_cache[i]
+            cached = self._grad_cache[i]
+            if cached is not None:
+                if local_tensor(cached).dtype != self.grad.dtype:
+                    local_tensor(cached).copy_(self.grad.local_view(i))
+                if getattr(sharded, attr, None) is not cached:
+                    setattr(sharded, attr, cached)
+                continue
             local = self.grad.local_view(i)
             is_view = decoupled or local.dtype == sharded.dtype
-            if current is not None and current is cached:
-                if not is_view:
-                    local_tensor(cached).copy_(local)
-                continue
             g = self.ctx.plan.wrap(local if is_view else local.to(sharded.dtype), p.tp, p.shape)
             if is_view or self.ctx.graph_mode:
                 self._grad_cache[i] = g
@@ -355,12 +359,13 @@ class FSDPUnit:
     def zero_grad_buffers(self, free: bool = False) -> None:
         """Zero the grad buffer, or with ``free`` (``zero_grad(set_to_none=True)``) release it
         until the next reduction re-allocates it: like FSDP2 dropping sharded grads, this keeps
-        grad memory out of the next forward's activation peak. ``free=False`` keeps the installed
-        ``.grad`` objects as views of the same storage (needed for CUDA-graph capture)."""
+        grad memory out of the next forward's activation peak (the cached grad views stay valid
+        objects; the optimizer sets the user-visible ``.grad`` to None). ``free=False`` keeps the
+        installed ``.grad`` objects as views of the same storage (needed for CUDA-graph capture).
+        Cast copies are only cached under CUDA-graph mode, which refuses ``free``."""
         if self.grad is not None:
             if free:
                 self.grad.free()
-                self._grad_cache = [None] * len(self.trainable)
             elif self.grad.is_allocated:
                 self.grad.data.zero_()
         if self.staging is not None:
