@@ -99,11 +99,32 @@ class FlatLayout:
         else:
             dst.copy_(src)
 
-    def unpack_full(self, src: torch.Tensor, index: int, full: torch.Tensor) -> None:
-        """Copy parameter ``index`` out of a gathered buffer ``src`` ([num_shards, segment])."""
-        slot = self.slots[index]
-        part = src.view(self.num_shards, self.segment_numel).narrow(1, slot.offset, slot.padded_numel)
-        if slot.padded_numel * self.num_shards == full.numel():
-            full.view(self.num_shards, slot.padded_numel).copy_(part)
-        else:
-            full.view(-1).copy_(part.reshape(-1)[: full.numel()])
+    def pack_all(self, out: torch.Tensor, fulls: Sequence[torch.Tensor]) -> None:
+        """Copy one full tensor per slot (same dtype; ``out`` may be wider) into ``out``
+        ([num_shards, segment]) in one op: ``torch._chunk_cat`` pads each tensor's rows to a
+        multiple of ``num_shards`` with zeros and concatenates the chunks of each shard, which is
+        exactly this layout (one kernel on CUDA, the cast included). Empty params occupy no
+        space and are left out (``_chunk_cat`` refuses empty tensors)."""
+        filled = [f for f, slot in zip(fulls, self.slots, strict=True) if slot.padded_numel]
+        if filled:
+            torch._chunk_cat(filled, dim=0, num_chunks=self.num_shards,
+                             out=out.view(self.num_shards, self.segment_numel))
+
+    def unpack_all(self, src: torch.Tensor, fulls: Sequence[torch.Tensor]) -> None:
+        """Copy every parameter out of a gathered buffer ``src`` ([num_shards, segment]) in one
+        ``split_with_sizes_copy`` (one kernel on CUDA). A parameter whose rows do not split
+        evenly has no [num_shards, padded] view, so it lands in a temporary first."""
+        n = self.num_shards
+        outs: list[torch.Tensor] = []
+        uneven: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for slot, full in zip(self.slots, fulls, strict=True):
+            if slot.padded_numel * n == full.numel() and full.is_contiguous():
+                outs.append(full.view(n, slot.padded_numel))
+            else:
+                tmp = torch.empty(n, slot.padded_numel, dtype=src.dtype, device=src.device)
+                outs.append(tmp)
+                uneven.append((tmp, full))
+        torch.split_with_sizes_copy(src.view(n, self.segment_numel), [s.padded_numel for s in self.slots],
+                                    dim=1, out=outs)
+        for tmp, full in uneven:
+            full.view(-1).copy_(tmp.view(-1)[: full.numel()])

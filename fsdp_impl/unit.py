@@ -6,8 +6,7 @@ unit issues go through the shard group in a fixed order, so every rank issues th
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,16 +31,15 @@ if TYPE_CHECKING:
     from .fp8_params import UnitFp8
 
 
-@contextlib.contextmanager
-def _preserve_versions(p: ManagedParam) -> Iterator[None]:
-    """Writes into the compute storage must not bump the version counters autograd checks (the
-    compute param's and, for a TP DTensor, its local tensor's)."""
-    with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
-        if p.compute_local() is p.unsharded:
-            yield
-        else:
-            with torch.autograd._unsafe_preserve_version_counter(p.compute_local()):
-                yield
+def _preserve_versions(params: list[ManagedParam]) -> torch.autograd._unsafe_preserve_version_counter:
+    """Writes into the compute storage must not bump the version counters autograd checks (each
+    compute param's and, for a TP DTensor, its local tensor's): one context for all params."""
+    tensors: list[torch.Tensor] = []
+    for p in params:
+        tensors.append(p.unsharded)
+        if p.compute_local() is not p.unsharded:
+            tensors.append(p.compute_local())
+    return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
 
 
 @dataclass
@@ -121,7 +119,7 @@ class FSDPUnit:
                                     ctx.policy.main_params_dtype is not None)
         self.staging: GradStaging | None = None  # grads awaiting reduction (None: nothing trainable)
         if self.grad is not None:
-            self.staging = GradStaging(self.grad.layout.total_numel, self.dtypes.main_grads, ctx.device,
+            self.staging = GradStaging(self.grad.layout, self.dtypes.main_grads, ctx.device,
                                        persistent=ctx.graph_mode)
         self.storage: UnitStorage = unit_storage(ctx.unshard.standalone_kind(ctx.graph_mode), [])
         self._ready = 0
@@ -215,10 +213,8 @@ class FSDPUnit:
             self._finish_gather(self._start_gather())
             return
         local = self.weight.data.to(self.dtypes.compute)
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                with _preserve_versions(p):
-                    p.compute_local().copy_(self.weight.layout.local_view(local, i, 0))
+        with torch.no_grad(), _preserve_versions(self.params):
+            self.weight.layout.unpack_all(local, [p.compute_local() for p in self.params])
         self.synced_version = self.version_signature()
 
     def _start_gather(self) -> _Gather:
@@ -244,9 +240,9 @@ class FSDPUnit:
             gathered, layout, params = gather.gathered, self.weight.layout, self.params
             if self.fp8 is not None:  # fills the FP8 params; the others are copied out below
                 gathered, layout, params = self.fp8.unpack(gather.gathered)
-            for i, p in enumerate(params):
-                with _preserve_versions(p):
-                    layout.unpack_full(gathered, i, p.compute_local())
+            if params:
+                with _preserve_versions(params):
+                    layout.unpack_all(gathered, [p.compute_local() for p in params])
         self.synced_version = gather.version
 
     def reshard(self) -> None:
@@ -277,19 +273,18 @@ class FSDPUnit:
 
     # --------------------------------------------------------------------- grads
     def accept_grad(self, p: ManagedParam, comm_dtype: torch.dtype) -> bool:
-        """Move ``p``'s fresh grad into the unit's reduce/accumulate buffer.
+        """Hand ``p``'s fresh grad to the unit's staging (ZeRO-2/3) or accumulator (ZeRO-0/1).
 
         Returns True when it was the unit's last expected grad of this backward.
         """
         grad = p.take_grad()
         if grad is None:
             return False
-        layout = self._grad_buffer().layout
         staging = self._staging()
         if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
-            layout.pack_full(staging.pending(comm_dtype), p.grad_slot, grad)
+            staging.stash(p.grad_slot, grad)  # packed in one op when the unit reduces
         else:
-            layout.pack_full(staging.accumulator(), p.grad_slot, grad, accumulate=True)
+            self._grad_buffer().layout.pack_full(staging.accumulator(), p.grad_slot, grad, accumulate=True)
         self._ready += 1
         return self._ready == len(self.trainable)
 
