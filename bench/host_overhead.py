@@ -4,9 +4,11 @@
 
 A tiny GPT (hidden 64, so the math is cheap and the hooks dominate) wrapped with ``fully_shard``
 (bf16 module, fp32 main params and grads, units = blocks, as ``bench.impls`` ours-z3). Every engine
-entry point the hooks call is timed with ``time.perf_counter``; the table gives milliseconds per
-step (median over the timed steps) per entry point, and the whole step for scale. Numbers are
-host time only (CPU kernels included), so compare runs on the same machine.
+entry point the hooks call is timed (``--clock wall``: ``time.perf_counter``; ``thread``:
+``time.thread_time``, the CPU time of the training thread, which a busy machine disturbs less);
+the table gives milliseconds per step (median over the timed steps) per entry point, and the
+whole step for scale. Numbers are host time only (CPU kernels included), so compare runs on the
+same machine.
 """
 from __future__ import annotations
 
@@ -34,13 +36,14 @@ ENTRY_POINTS = ("pre_forward", "post_forward", "pre_backward", "grad_ready", "fi
                 "zero_grad_buffers")
 
 
-def _timed(fn: Callable[..., Any], totals: dict[str, float], name: str) -> Callable[..., Any]:
+def _timed(fn: Callable[..., Any], totals: dict[str, float], name: str,
+           clock: Callable[[], float]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            totals[name] += time.perf_counter() - t0
+            totals[name] += clock() - t0
     return run
 
 
@@ -50,7 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--strategy", default="optim_grads_params")
+    p.add_argument("--clock", choices=["wall", "thread"], default="wall")
     args = p.parse_args(argv)
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29631")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -64,22 +69,23 @@ def main(argv: list[str] | None = None) -> None:
     engine = model._fsdp_engine
     totals: dict[str, float] = defaultdict(float)
     for name in ENTRY_POINTS:
-        setattr(engine, name, _timed(getattr(engine, name), totals, name))
+        setattr(engine, name, _timed(getattr(engine, name), totals, name, clock))
     tokens = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=torch.Generator().manual_seed(0))
     per_step: dict[str, list[float]] = defaultdict(list)
     for step in range(args.warmup + args.steps):
         totals.clear()
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = F.cross_entropy(model(tokens).float().view(-1, cfg.vocab), tokens.view(-1))
         loss.backward()
         opt.step()
         opt.zero_grad()
-        totals["step"] = time.perf_counter() - t0
+        totals["step"] = clock() - t0
         if step >= args.warmup:
             for name in (*ENTRY_POINTS, "step"):
                 per_step[name].append(totals[name])
     hooks = [sum(per_step[n][i] for n in ENTRY_POINTS) for i in range(args.steps)]
-    print(f"strategy {args.strategy}, {args.layers} layers, {args.steps} steps, torch {torch.__version__}")
+    print(f"strategy {args.strategy}, {args.layers} layers, {args.steps} steps, {args.clock} clock, "
+          f"torch {torch.__version__}")
     print("| entry point | ms/step (median) |\n|---|---:|")
     for name in ENTRY_POINTS:
         print(f"| {name} | {1e3 * statistics.median(per_step[name]):.2f} |")

@@ -8,6 +8,7 @@ reduce-scatter of equal-sized segments moves the whole unit.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,14 +42,14 @@ class ParamSlot:
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
 
-    @property
+    @functools.cached_property  # hot (every gather and grad pack); the slot is immutable
     def row_numel(self) -> int:
         n = 1
         for s in self.shape[1:]:
             n *= s
         return n
 
-    @property
+    @functools.cached_property
     def padded_numel(self) -> int:
         """Elements reserved in each rank's segment."""
         return self.chunk * self.row_numel
@@ -73,6 +74,7 @@ class FlatLayout:
             self.slots.append(slot)
             offset += slot.padded_numel
         self.segment_numel = offset
+        self.split_sizes = [slot.padded_numel for slot in self.slots]  # per-param columns of a segment
 
     @property
     def total_numel(self) -> int:
@@ -124,7 +126,6 @@ class FlatLayout:
                 tmp = torch.empty(n, slot.padded_numel, dtype=src.dtype, device=src.device)
                 outs.append(tmp)
                 uneven.append((tmp, full))
-        torch.split_with_sizes_copy(src.view(n, self.segment_numel), [s.padded_numel for s in self.slots],
-                                    dim=1, out=outs)
+        torch.split_with_sizes_copy(src.view(n, self.segment_numel), self.split_sizes, dim=1, out=outs)
         for tmp, full in uneven:
             full.view(-1).copy_(tmp.view(-1)[: full.numel()])

@@ -172,6 +172,12 @@ class FSDPUnit:
             total += p.sharded._version + p.sharded_local()._version
         return total
 
+    @property
+    def tracks_versions(self) -> bool:
+        """Whether anything reads ``synced_version``: the ZeRO-0/1/2 refresh decision and FP8
+        requantisation; plain ZeRO-3 re-gathers on every unshard, so it skips the signature."""
+        return self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS or self.fp8 is not None
+
     def weights_changed(self) -> bool:
         """True when the main weights changed since the compute params were last built."""
         return self.version_signature() != self.synced_version
@@ -220,7 +226,7 @@ class FSDPUnit:
     def _start_gather(self) -> _Gather:
         """One all-gather of the unit's shards, cast to the compute dtype, on the gather stream."""
         stream = self.ctx.streams.gather
-        version = self.version_signature()
+        version = self.version_signature() if self.tracks_versions else self.synced_version
         with stream.use():
             if self.fp8 is not None:  # FP8 params travel as FP8 bytes
                 gathered = self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group)
