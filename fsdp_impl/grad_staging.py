@@ -65,7 +65,7 @@ class GradStaging:
             src = dtype
         fulls = [g.to(src) if g is not None else torch.zeros(slot.shape, dtype=src, device=self.device)
                  for g, slot in zip(grads, self.layout.slots, strict=True)]
-        self.layout.pack_all(out, fulls)
+        self.layout.pack_all(out, fulls, fused=not self.persistent)  # see FlatLayout.pack_all
         return out
 
     # ------------------------------------------------------------------ ZeRO-0/1

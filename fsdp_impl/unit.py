@@ -220,7 +220,8 @@ class FSDPUnit:
             return
         local = self.weight.data.to(self.dtypes.compute)
         with torch.no_grad(), _preserve_versions(self.params):
-            self.weight.layout.unpack_all(local, [p.compute_local() for p in self.params])
+            self.weight.layout.unpack_all(local, [p.compute_local() for p in self.params],
+                                          fused=not self.ctx.graph_mode)
         self.synced_version = self.version_signature()
 
     def _start_gather(self) -> _Gather:
@@ -248,7 +249,7 @@ class FSDPUnit:
                 gathered, layout, params = self.fp8.unpack(gather.gathered)
             if params:
                 with _preserve_versions(params):
-                    layout.unpack_all(gathered, [p.compute_local() for p in params])
+                    layout.unpack_all(gathered, [p.compute_local() for p in params], fused=not self.ctx.graph_mode)
         self.synced_version = gather.version
 
     def reshard(self) -> None:
