@@ -252,6 +252,7 @@ def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], strategy:
     for unit in units:
         for p in unit.params:
             setattr(p.sharded, ENGINE_REF_ATTR, weakref.ref(engine))  # what fully_shard_optimizer finds
+            p.release_orig()  # the user's unsharded tensors must not outlive the wrap
     if logger.isEnabledFor(logging.DEBUG):
         _log_wrap(engine, ordinary.dims)
     return wrapper
@@ -279,11 +280,15 @@ def _log_wrap(engine: FSDPEngine, dims: ParallelDims) -> None:
 
 
 def _param_mapping(model: FullyShardedModule) -> dict[int, nn.Parameter]:
-    """id(original param) -> DTensor shard, plus the shards themselves (already-remapped optimizers)."""
+    """id(original param) -> DTensor shard, plus the shards themselves (already-remapped optimizers).
+
+    The original ids are only meaningful while the originals are alive: ``fully_shard`` checked
+    before wrapping that every optimizer param is a module param, and the optimizer keeps those
+    alive, so no id in its groups can have been reused by another object."""
     mapping: dict[int, nn.Parameter] = {}
     for unit in model._fsdp_engine.units:
         for p in unit.params:
-            mapping[id(p.orig)] = p.sharded
+            mapping[p.orig_id] = p.sharded
             mapping[id(p.sharded)] = p.sharded
     return mapping
 

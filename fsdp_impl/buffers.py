@@ -35,9 +35,17 @@ class DataParallelBuffer:
 
     def ensure_allocated(self) -> None:
         """Re-allocate a freed buffer, zero-filled."""
-        if not self.is_allocated:
-            self.data.untyped_storage().resize_(self.data.numel() * self.data.element_size())
+        if self.allocate_for_overwrite():
             self.data.zero_()
+
+    def allocate_for_overwrite(self) -> bool:
+        """Re-allocate a freed buffer without filling it. True when it was freed: it then holds
+        no values (nothing can have written to freed memory) and the caller must write all of
+        ``data`` (e.g. a reduce-scatter straight into it instead of into a temporary + add)."""
+        if self.is_allocated:
+            return False
+        self.data.untyped_storage().resize_(self.data.numel() * self.data.element_size())
+        return True
 
     def local_view(self, index: int) -> torch.Tensor:
         """This rank's shard of parameter ``index`` as a view into ``data``."""

@@ -80,7 +80,8 @@ class FSDPEngine:
             if zero3:  # a forward without backward (eval) may have left units gathered/prefetched
                 for other in self.units:
                     other.reshard()
-            self._agree_on_stale_units()
+            if not zero3 or self.fp8 is not None:  # ZeRO-3 re-gathers every unit anyway
+                self._agree_on_stale_units()
             if self.fp8 is not None:  # FP8 params of changed units: one sharded requantisation
                 self.fp8.requantize([u for u in self.units if self._stale[u]])
             if self._order:

@@ -105,17 +105,27 @@ class ShardGroupReduce:
         self.scaling = scaling
 
     def reduce(self, full: torch.Tensor, grad: DataParallelBuffer, sync: bool) -> torch.cuda.Event | None:
-        """Reduce ``full`` (every backward; ``sync`` does not matter for one level)."""
-        grad.ensure_allocated()
+        """Reduce ``full`` (every backward; ``sync`` does not matter for one level). Into a grad
+        buffer that ``zero_grad(set_to_none=True)`` freed, the result is written directly
+        (same values as adding it to zeros) instead of through a temporary."""
+        fresh = grad.allocate_for_overwrite()
         with self.stream.use():
             self.scaling.prepare(full)
             if self.all_reduce:
                 comm.all_reduce_op(full, self.group, self.scaling.op)
-                grad.data.add_(full)
+                if fresh:
+                    grad.data.copy_(full)
+                else:
+                    grad.data.add_(full)
+            elif fresh and full.dtype == grad.dtype:
+                comm.reduce_scatter_op(grad.data, full, self.group, self.scaling.op)
             else:
                 out = torch.empty(grad.layout.segment_numel, dtype=full.dtype, device=self.device)
                 comm.reduce_scatter_op(out, full, self.group, self.scaling.op)
-                grad.data.add_(out)
+                if fresh:
+                    grad.data.copy_(out)
+                else:
+                    grad.data.add_(out)
         self.stream.keep_alive(full)
         return self.stream.record()
 

@@ -1,35 +1,40 @@
 """Where one unit's full-size grads wait for their reduction.
 
-* ZeRO-2/3: ``pending(dtype)`` collects this backward's grads in the comm dtype; the unit hands
-  it to its reducer once per backward (``take_pending``).
+* ZeRO-2/3: ``stash`` keeps each grad of this backward as autograd produced it; once per
+  backward the unit takes them packed into one buffer in the comm dtype (``take_pending``: one
+  ``torch._chunk_cat``, casting and zero-padding included) and hands it to its reducer.
 * ZeRO-0/1: ``accumulator()`` sums grads over the microbatches of a cycle in the main-grads
   dtype until the sync backward reduces it (``take_accumulated``).
 
-Transient (the default): buffers are allocated zero-filled on first use and dropped once handed
-to the reducer (which keeps them alive on its stream with ``record_stream``); the ZeRO-0/1
-accumulator exists only while a cycle accumulates.
+Transient (the default): buffers are allocated on use and dropped once handed to the reducer
+(which keeps them alive on its stream with ``record_stream``); the ZeRO-0/1 accumulator exists
+only while a cycle accumulates.
 
-Persistent (CUDA-graph mode): each buffer is allocated once and zeroed in place before reuse,
-so the addresses a captured graph uses never change. A tensor made for the reducer (a cast of
-the accumulator to the comm dtype) is held until ``end_backward``, when the compute stream has
-waited for the reduction, instead of ``record_stream``.
+Persistent (CUDA-graph mode): each buffer is allocated once and rewritten (the pending buffer)
+or zeroed in place (the accumulator) before reuse, so the addresses a captured graph uses never
+change. A tensor made for the reducer (a cast of the accumulator to the comm dtype) is held
+until ``end_backward``, when the compute stream has waited for the reduction, instead of
+``record_stream``.
 """
 from __future__ import annotations
 
 import torch
 
+from .sharding import FlatLayout
+
 
 class GradStaging:
-    """The pending / accumulator buffers of one unit (``numel`` = its full padded grad size)."""
+    """The pending / accumulator buffers of one unit, laid out by ``layout`` (its grad layout)."""
 
-    def __init__(self, numel: int, main_dtype: torch.dtype, device: torch.device, persistent: bool) -> None:
-        self.numel = numel
+    def __init__(self, layout: FlatLayout, main_dtype: torch.dtype, device: torch.device,
+                 persistent: bool) -> None:
+        self.layout = layout
+        self.numel = layout.total_numel
         self.main_dtype = main_dtype
         self.device = device
         self.persistent = persistent
-        self._pending: torch.Tensor | None = None
-        self._pending_open = False  # persistent: this backward's grads are being collected
-        self._pending_dirty = False  # persistent: holds the last backward's grads
+        self._stash: list[torch.Tensor | None] = [None] * len(layout.slots)
+        self._pending: torch.Tensor | None = None  # persistent only
         self._accumulator: torch.Tensor | None = None
         self._accumulator_dirty = False  # persistent: holds grads that were already reduced
         self._held: list[torch.Tensor] = []
@@ -38,31 +43,30 @@ class GradStaging:
         return torch.zeros(self.numel, dtype=dtype, device=self.device)
 
     # ------------------------------------------------------------------ ZeRO-2/3
-    def pending(self, dtype: torch.dtype) -> torch.Tensor:
-        """This backward's grad buffer in ``dtype`` (zero where no grad arrived yet)."""
-        if not self.persistent:
-            if self._pending is None:
-                self._pending = self._zeros(dtype)
-            return self._pending
-        if self._pending is None or self._pending.dtype != dtype:
-            self._pending = self._zeros(dtype)  # first use, or the comm dtype changed
-            self._pending_dirty = False
-        if not self._pending_open:
-            if self._pending_dirty:
-                self._pending.zero_()
-            self._pending_open = True
-        return self._pending
+    def stash(self, slot: int, grad: torch.Tensor) -> None:
+        """Keep this backward's grad of layout slot ``slot`` (a full, TP-local tensor)."""
+        self._stash[slot] = grad
 
     def take_pending(self, dtype: torch.dtype) -> torch.Tensor:
-        """The buffer to reduce (all zeros when no grad arrived, so every rank still joins)."""
-        if not self.persistent:
-            full = self._pending if self._pending is not None else self._zeros(dtype)
-            self._pending = None
-            return full
-        full = self.pending(dtype)
-        self._pending_open = False
-        self._pending_dirty = True
-        return full
+        """This backward's stashed grads packed into one buffer in ``dtype`` (zeros where no grad
+        arrived, so every rank still joins the reduction); the stash is emptied."""
+        grads, self._stash = self._stash, [None] * len(self._stash)
+        if self.persistent:
+            if self._pending is None or self._pending.dtype != dtype:
+                self._pending = torch.empty(self.numel, dtype=dtype, device=self.device)
+            out = self._pending
+        else:
+            out = torch.empty(self.numel, dtype=dtype, device=self.device)
+        arrived = [g for g in grads if g is not None]
+        if not arrived:
+            return out.zero_()
+        src = arrived[0].dtype
+        if any(g.dtype != src for g in arrived):  # one op needs one input dtype
+            src = dtype
+        fulls = [g.to(src) if g is not None else torch.zeros(slot.shape, dtype=src, device=self.device)
+                 for g, slot in zip(grads, self.layout.slots, strict=True)]
+        self.layout.pack_all(out, fulls, fused=not self.persistent)  # see FlatLayout.pack_all
+        return out
 
     # ------------------------------------------------------------------ ZeRO-0/1
     def accumulator(self) -> torch.Tensor:
@@ -91,7 +95,8 @@ class GradStaging:
         self._held.clear()
 
     def clear(self) -> None:
-        """``zero_grad``: forget the unsynced accumulated grads."""
+        """``zero_grad``: forget the unsynced accumulated grads (and any stashed grad)."""
+        self._stash = [None] * len(self._stash)
         if not self.persistent:
             self._accumulator = None
         elif self._accumulator is not None:

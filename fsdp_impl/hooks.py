@@ -1,10 +1,17 @@
 """Registration of the forward and grad hooks that call into ``FSDPEngine``.
 
-Each hook is a small callable object holding the engine and its unit explicitly (PyTorch FSDP2
+Each hook is a small callable object naming the engine and its unit explicitly (PyTorch FSDP2
 style); the handles are kept so ``remove_hooks`` can undo everything.
+
+The hooks hold the engine by weak reference and the unit by its index: a strong reference would
+close a cycle (module -> hook -> engine -> unit -> module, and compute param -> grad hook ->
+engine -> unit -> compute param, whose hook dict is held from C++ where the garbage collector
+cannot see it), so the engine and its buffers would outlive ``del model`` until a
+``gc.collect()``, or forever. The wrapper (``FullyShardedModule``) holds the engine strongly.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -16,32 +23,46 @@ from .param import ManagedParam
 from .unit import FSDPUnit
 
 
-class _PreForward:
-    def __init__(self, engine: FSDPEngine, unit: FSDPUnit) -> None:
-        self.engine, self.unit = engine, unit
+class _UnitHook:
+    """What every hook holds: a weak reference to the engine and the index of its unit."""
 
+    def __init__(self, engine: FSDPEngine, unit: FSDPUnit) -> None:
+        self._engine = weakref.ref(engine)
+        self._unit = engine.units.index(unit)
+
+    def target(self) -> tuple[FSDPEngine, FSDPUnit]:
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError("this module's fully_shard wrapper was garbage collected, which released its "
+                               "FSDP engine and buffers; keep the wrapper returned by fully_shard / "
+                               "fully_shard_model and call that instead of the inner module")
+        return engine, engine.units[self._unit]
+
+
+class _PreForward(_UnitHook):
     @torch.compiler.disable
     def __call__(self, module: nn.Module, args: Any) -> None:
-        self.engine.pre_forward(self.unit)
+        engine, unit = self.target()
+        engine.pre_forward(unit)
 
 
-class _PostForward:
-    def __init__(self, engine: FSDPEngine, unit: FSDPUnit) -> None:
-        self.engine, self.unit = engine, unit
-
+class _PostForward(_UnitHook):
     @torch.compiler.disable
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.engine.post_forward(self.unit, output)
+        engine, unit = self.target()
+        engine.post_forward(unit, output)
 
 
-class _GradReady:
+class _GradReady(_UnitHook):
     """``register_post_accumulate_grad_hook`` target on one unsharded compute param."""
 
     def __init__(self, engine: FSDPEngine, unit: FSDPUnit, param: ManagedParam) -> None:
-        self.engine, self.unit, self.param = engine, unit, param
+        super().__init__(engine, unit)
+        self._param = param.grad_slot
 
     def __call__(self, tensor: torch.Tensor) -> None:
-        self.engine.grad_ready(self.unit, self.param)
+        engine, unit = self.target()
+        engine.grad_ready(unit, unit.trainable[self._param])
 
 
 def register_hooks(engine: FSDPEngine, unit_modules: list[nn.Module]) -> list[RemovableHandle]:

@@ -55,7 +55,7 @@ def materialise(root: nn.Module, groups: list[list[ManagedParam]], unit_modules:
                 device: torch.device, on_unit_ready: Callable[[int], None]) -> None:
     """Post-order walk; ``on_unit_ready(i)`` fires when unit i's subtree is materialised
     (the root group, index ``len(unit_modules)``, fires last)."""
-    by_id = {id(p.orig): p for group in groups for p in group}
+    by_id = {p.orig_id: p for group in groups for p in group}
     unit_index = {id(m): i for i, m in enumerate(unit_modules)}
     visited: set = set()
 

@@ -24,7 +24,11 @@ class ManagedParam:
             raise ValueError(f"parameter {fqn!r} is 0-dimensional; fully_shard needs params with at "
                              "least one dim (use shape (1,) instead)")
         self.fqn = fqn
-        self.orig = orig  # the object the user's optimizer knows (maybe on meta)
+        # The user's original param (maybe on meta) is needed only while wrapping; afterwards
+        # only its id stays (how an optimizer built on the unwrapped module is remapped), so its
+        # storage is not kept alive next to the shards.
+        self._orig: nn.Parameter | None = orig
+        self.orig_id = id(orig)
         self.locations = locations  # every (module, attr) that holds it (tied weights: several)
         self.shape = tuple(orig.shape)  # global shape (what the sharded DTensor reports)
         self.layout_shape = self.shape  # what the unit shards by rows: the TP-local shape
@@ -34,6 +38,18 @@ class ManagedParam:
         self._sharded: nn.Parameter | None = None  # set by the unit at wrap time
         self._unsharded: nn.Parameter | None = None  # set by make_unsharded at wrap time
         self.grad_index: int | None = None  # slot in the unit's grad layout (None: frozen)
+
+    @property
+    def orig(self) -> nn.Parameter:
+        """The user's original param object; available only until the wrap finishes."""
+        if self._orig is None:
+            raise RuntimeError(f"parameter {self.fqn!r}: the original (unwrapped) param was released when "
+                               "the wrap finished; only its id (orig_id) is kept")
+        return self._orig
+
+    def release_orig(self) -> None:
+        """Drop the reference to the user's original param (end of the wrap)."""
+        self._orig = None
 
     @property
     def sharded(self) -> nn.Parameter:

@@ -8,6 +8,7 @@ reduce-scatter of equal-sized segments moves the whole unit.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,14 +42,14 @@ class ParamSlot:
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
 
-    @property
+    @functools.cached_property  # hot (every gather and grad pack); the slot is immutable
     def row_numel(self) -> int:
         n = 1
         for s in self.shape[1:]:
             n *= s
         return n
 
-    @property
+    @functools.cached_property
     def padded_numel(self) -> int:
         """Elements reserved in each rank's segment."""
         return self.chunk * self.row_numel
@@ -73,6 +74,7 @@ class FlatLayout:
             self.slots.append(slot)
             offset += slot.padded_numel
         self.segment_numel = offset
+        self.split_sizes = [slot.padded_numel for slot in self.slots]  # per-param columns of a segment
 
     @property
     def total_numel(self) -> int:
@@ -99,11 +101,49 @@ class FlatLayout:
         else:
             dst.copy_(src)
 
-    def unpack_full(self, src: torch.Tensor, index: int, full: torch.Tensor) -> None:
-        """Copy parameter ``index`` out of a gathered buffer ``src`` ([num_shards, segment])."""
-        slot = self.slots[index]
-        part = src.view(self.num_shards, self.segment_numel).narrow(1, slot.offset, slot.padded_numel)
-        if slot.padded_numel * self.num_shards == full.numel():
-            full.view(self.num_shards, slot.padded_numel).copy_(part)
-        else:
-            full.view(-1).copy_(part.reshape(-1)[: full.numel()])
+    def pack_all(self, out: torch.Tensor, fulls: Sequence[torch.Tensor], fused: bool = True) -> None:
+        """Copy one full tensor per slot (same dtype; ``out`` may be wider) into ``out``
+        ([num_shards, segment]), writing every element (padding as zeros).
+
+        ``fused``: one op, ``torch._chunk_cat``, which pads each tensor's rows to a multiple of
+        ``num_shards`` and concatenates the chunks of each shard, exactly this layout (one kernel
+        on CUDA, the cast included). Its CUDA kernel uploads its metadata from a temporary pinned
+        host buffer, which a captured CUDA graph would read again at replay after it was freed,
+        so CUDA-graph mode passes ``fused=False``: one padded copy per slot. Empty params occupy
+        no space and are left out (``_chunk_cat`` refuses empty tensors)."""
+        filled = [(i, f) for i, (f, slot) in enumerate(zip(fulls, self.slots, strict=True)) if slot.padded_numel]
+        if not fused:
+            for i, full in filled:
+                self.pack_full(out, i, full)
+        elif filled:
+            torch._chunk_cat([f for _, f in filled], dim=0, num_chunks=self.num_shards,
+                             out=out.view(self.num_shards, self.segment_numel))
+
+    def unpack_all(self, src: torch.Tensor, fulls: Sequence[torch.Tensor], fused: bool = True) -> None:
+        """Copy every parameter out of a gathered buffer ``src`` ([num_shards, segment]).
+
+        ``fused``: one ``split_with_sizes_copy`` (one kernel on CUDA; a parameter whose rows do
+        not split evenly has no [num_shards, padded] view, so it lands in a temporary first).
+        ``fused=False`` (CUDA-graph mode, see ``pack_all``): one copy per parameter."""
+        n = self.num_shards
+        segments = src.view(n, self.segment_numel)
+        outs: list[torch.Tensor] = []
+        uneven: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for slot, full in zip(self.slots, fulls, strict=True):
+            even = slot.padded_numel * n == full.numel()
+            if not fused:
+                part = segments.narrow(1, slot.offset, slot.padded_numel)
+                if even:
+                    full.view(n, slot.padded_numel).copy_(part)
+                else:
+                    full.view(-1).copy_(part.reshape(-1)[: full.numel()])
+            elif even and full.is_contiguous():
+                outs.append(full.view(n, slot.padded_numel))
+            else:
+                tmp = torch.empty(n, slot.padded_numel, dtype=src.dtype, device=src.device)
+                outs.append(tmp)
+                uneven.append((tmp, full))
+        if fused:
+            torch.split_with_sizes_copy(segments, self.split_sizes, dim=1, out=outs)
+        for tmp, full in uneven:
+            full.view(-1).copy_(tmp.view(-1)[: full.numel()])

@@ -6,8 +6,7 @@ unit issues go through the shard group in a fixed order, so every rank issues th
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,16 +31,15 @@ if TYPE_CHECKING:
     from .fp8_params import UnitFp8
 
 
-@contextlib.contextmanager
-def _preserve_versions(p: ManagedParam) -> Iterator[None]:
-    """Writes into the compute storage must not bump the version counters autograd checks (the
-    compute param's and, for a TP DTensor, its local tensor's)."""
-    with torch.autograd._unsafe_preserve_version_counter(p.unsharded):
-        if p.compute_local() is p.unsharded:
-            yield
-        else:
-            with torch.autograd._unsafe_preserve_version_counter(p.compute_local()):
-                yield
+def _preserve_versions(params: list[ManagedParam]) -> torch.autograd._unsafe_preserve_version_counter:
+    """Writes into the compute storage must not bump the version counters autograd checks (each
+    compute param's and, for a TP DTensor, its local tensor's): one context for all params."""
+    tensors: list[torch.Tensor] = []
+    for p in params:
+        tensors.append(p.unsharded)
+        if p.compute_local() is not p.unsharded:
+            tensors.append(p.compute_local())
+    return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
 
 
 @dataclass
@@ -121,7 +119,7 @@ class FSDPUnit:
                                     ctx.policy.main_params_dtype is not None)
         self.staging: GradStaging | None = None  # grads awaiting reduction (None: nothing trainable)
         if self.grad is not None:
-            self.staging = GradStaging(self.grad.layout.total_numel, self.dtypes.main_grads, ctx.device,
+            self.staging = GradStaging(self.grad.layout, self.dtypes.main_grads, ctx.device,
                                        persistent=ctx.graph_mode)
         self.storage: UnitStorage = unit_storage(ctx.unshard.standalone_kind(ctx.graph_mode), [])
         self._ready = 0
@@ -174,6 +172,12 @@ class FSDPUnit:
             total += p.sharded._version + p.sharded_local()._version
         return total
 
+    @property
+    def tracks_versions(self) -> bool:
+        """Whether anything reads ``synced_version``: the ZeRO-0/1/2 refresh decision and FP8
+        requantisation; plain ZeRO-3 re-gathers on every unshard, so it skips the signature."""
+        return self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS or self.fp8 is not None
+
     def weights_changed(self) -> bool:
         """True when the main weights changed since the compute params were last built."""
         return self.version_signature() != self.synced_version
@@ -215,16 +219,15 @@ class FSDPUnit:
             self._finish_gather(self._start_gather())
             return
         local = self.weight.data.to(self.dtypes.compute)
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                with _preserve_versions(p):
-                    p.compute_local().copy_(self.weight.layout.local_view(local, i, 0))
+        with torch.no_grad(), _preserve_versions(self.params):
+            self.weight.layout.unpack_all(local, [p.compute_local() for p in self.params],
+                                          fused=not self.ctx.graph_mode)
         self.synced_version = self.version_signature()
 
     def _start_gather(self) -> _Gather:
         """One all-gather of the unit's shards, cast to the compute dtype, on the gather stream."""
         stream = self.ctx.streams.gather
-        version = self.version_signature()
+        version = self.version_signature() if self.tracks_versions else self.synced_version
         with stream.use():
             if self.fp8 is not None:  # FP8 params travel as FP8 bytes
                 gathered = self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group)
@@ -244,9 +247,9 @@ class FSDPUnit:
             gathered, layout, params = gather.gathered, self.weight.layout, self.params
             if self.fp8 is not None:  # fills the FP8 params; the others are copied out below
                 gathered, layout, params = self.fp8.unpack(gather.gathered)
-            for i, p in enumerate(params):
-                with _preserve_versions(p):
-                    layout.unpack_full(gathered, i, p.compute_local())
+            if params:
+                with _preserve_versions(params):
+                    layout.unpack_all(gathered, [p.compute_local() for p in params], fused=not self.ctx.graph_mode)
         self.synced_version = gather.version
 
     def reshard(self) -> None:
@@ -277,19 +280,18 @@ class FSDPUnit:
 
     # --------------------------------------------------------------------- grads
     def accept_grad(self, p: ManagedParam, comm_dtype: torch.dtype) -> bool:
-        """Move ``p``'s fresh grad into the unit's reduce/accumulate buffer.
+        """Hand ``p``'s fresh grad to the unit's staging (ZeRO-2/3) or accumulator (ZeRO-0/1).
 
         Returns True when it was the unit's last expected grad of this backward.
         """
         grad = p.take_grad()
         if grad is None:
             return False
-        layout = self._grad_buffer().layout
         staging = self._staging()
         if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
-            layout.pack_full(staging.pending(comm_dtype), p.grad_slot, grad)
+            staging.stash(p.grad_slot, grad)  # packed in one op when the unit reduces
         else:
-            layout.pack_full(staging.accumulator(), p.grad_slot, grad, accumulate=True)
+            self._grad_buffer().layout.pack_full(staging.accumulator(), p.grad_slot, grad, accumulate=True)
         self._ready += 1
         return self._ready == len(self.trainable)
 
@@ -330,9 +332,11 @@ class FSDPUnit:
     def install_grads(self, decoupled: bool) -> None:
         """Expose the main-grad shards on the DTensor params (``.grad`` or ``.decoupled_grad``).
 
-        Same dtype: a persistent DTensor view of the grad buffer. Different dtype (e.g. fp32 grads
-        for bf16 main params): a cast copy, because torch requires ``grad.dtype == param.dtype``;
-        under CUDA-graph mode the copy is persistent too (re-filled in place on each install).
+        Same dtype: a persistent DTensor view of the grad buffer, made once (``DTensor`` creation
+        is slow) and re-installed after ``zero_grad(set_to_none=True)``: freeing the buffer keeps
+        its storage object, so the views see the re-allocated memory. Different dtype (e.g. fp32
+        grads for bf16 main params): a cast copy, because torch requires ``grad.dtype ==
+        param.dtype``; under CUDA-graph mode the copy is persistent too (re-filled in place).
         """
         if self.grad is None:
             return
@@ -340,13 +344,15 @@ class FSDPUnit:
         attr = grad_attr_name(decoupled)
         for p in self.trainable:
             i, sharded = p.grad_slot, p.sharded
-            current, cached = getattr(sharded, attr, None), self._grad_cache[i]
+            cached = self._grad_cache[i]
+            if cached is not None:
+                if local_tensor(cached).dtype != self.grad.dtype:
+                    local_tensor(cached).copy_(self.grad.local_view(i))
+                if getattr(sharded, attr, None) is not cached:
+                    setattr(sharded, attr, cached)
+                continue
             local = self.grad.local_view(i)
             is_view = decoupled or local.dtype == sharded.dtype
-            if current is not None and current is cached:
-                if not is_view:
-                    local_tensor(cached).copy_(local)
-                continue
             g = self.ctx.plan.wrap(local if is_view else local.to(sharded.dtype), p.tp, p.shape)
             if is_view or self.ctx.graph_mode:
                 self._grad_cache[i] = g
@@ -355,12 +361,13 @@ class FSDPUnit:
     def zero_grad_buffers(self, free: bool = False) -> None:
         """Zero the grad buffer, or with ``free`` (``zero_grad(set_to_none=True)``) release it
         until the next reduction re-allocates it: like FSDP2 dropping sharded grads, this keeps
-        grad memory out of the next forward's activation peak. ``free=False`` keeps the installed
-        ``.grad`` objects as views of the same storage (needed for CUDA-graph capture)."""
+        grad memory out of the next forward's activation peak (the cached grad views stay valid
+        objects; the optimizer sets the user-visible ``.grad`` to None). ``free=False`` keeps the
+        installed ``.grad`` objects as views of the same storage (needed for CUDA-graph capture).
+        Cast copies are only cached under CUDA-graph mode, which refuses ``free``."""
         if self.grad is not None:
             if free:
                 self.grad.free()
-                self._grad_cache = [None] * len(self.trainable)
             elif self.grad.is_allocated:
                 self.grad.data.zero_()
         if self.staging is not None:

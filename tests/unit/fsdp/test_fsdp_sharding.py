@@ -49,10 +49,10 @@ def test_shard_then_gather_is_identity(param_shapes, world: int) -> None:
             assert view.shape == full[start:end].shape
             view.copy_(full[start:end])
     # ... the all-gather output is the rank-major concatenation, and unpacking restores the params.
-    for i, full in enumerate(fulls):
-        out = torch.empty_like(full)
-        layout.unpack_full(segments.reshape(-1), i, out)
-        assert torch.equal(out, full)
+    for fused in (True, False):
+        outs = [torch.full_like(full, float("nan")) for full in fulls]
+        layout.unpack_all(segments.reshape(-1), outs, fused=fused)
+        assert all(torch.equal(out, full) for out, full in zip(outs, fulls, strict=True))
 
 
 @settings(max_examples=60, deadline=None)
@@ -75,6 +75,23 @@ def test_pack_places_each_rank_rows_in_its_segment(param_shapes, world: int) -> 
     layout.pack_full(buf, 0, fulls[0], accumulate=True)
     assert torch.allclose(layout.local_view(segments[0], 0, 0),
                           2 * fulls[0][slice(*shard_row_range(fulls[0].shape[0], world, 0))])
+
+
+@settings(max_examples=60, deadline=None)
+@given(param_shapes=st.lists(shapes, min_size=1, max_size=5), world=worlds, fused=st.booleans())
+def test_pack_all_matches_per_param_pack(param_shapes, world: int, fused: bool) -> None:
+    """pack_all (one _chunk_cat, or one padded copy per param; casting bf16 to fp32) writes every
+    element of its output, pads with zeros and puts the same values where pack_full does, empty
+    params included."""
+    layout = FlatLayout(param_shapes, world)
+    fulls = [torch.randn(s).to(torch.bfloat16) for s in param_shapes]
+    expected = torch.zeros(layout.total_numel)
+    for i, full in enumerate(fulls):
+        if full.numel():
+            layout.pack_full(expected, i, full)
+    out = torch.full((layout.total_numel,), float("nan"))  # transient buffers come from torch.empty
+    layout.pack_all(out, fulls, fused=fused)
+    assert torch.equal(out, expected)
 
 
 def test_empty_shards_for_param_smaller_than_world() -> None:

@@ -1,23 +1,24 @@
 """GradStaging: transient buffers behave as the engine always did; persistent ones (CUDA-graph
-mode) keep their addresses, are zeroed in place before reuse and hold reducer inputs until the
-end of backward."""
+mode) keep their addresses, are rewritten or zeroed in place before reuse and hold reducer
+inputs until the end of backward."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from fsdp_impl.grad_staging import GradStaging
+from fsdp_impl.sharding import FlatLayout
 
 CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_pending_collects_one_backward(persistent: bool) -> None:
-    s = GradStaging(4, torch.float32, CPU, persistent)
-    s.pending(torch.float32)[:2] = 1.0
+    s = GradStaging(FlatLayout([(2,), (2,)], 1), torch.float32, CPU, persistent)
+    s.stash(0, torch.ones(2))
     first = s.take_pending(torch.float32)
     assert first.tolist() == [1.0, 1.0, 0.0, 0.0]
-    s.pending(torch.float32)[2:] = 2.0  # next backward: the first one's grads are gone
+    s.stash(1, torch.full((2,), 2.0))  # next backward: the first one's grads are gone
     second = s.take_pending(torch.float32)
     assert second.tolist() == [0.0, 0.0, 2.0, 2.0]
     assert (second is first) == persistent
@@ -25,8 +26,25 @@ def test_pending_collects_one_backward(persistent: bool) -> None:
     assert s.take_pending(torch.float32).tolist() == [0.0] * 4
 
 
+def test_pending_packs_shards_casts_and_mixes_dtypes() -> None:
+    """Two shards: each rank's rows of every param, padded, in the comm dtype."""
+    s = GradStaging(FlatLayout([(3,), (2, 2)], 2), torch.float32, CPU, False)
+    s.stash(0, torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16))
+    s.stash(1, torch.tensor([[4.0, 5.0], [6.0, 7.0]]))  # another dtype: both cast first
+    out = s.take_pending(torch.float32)
+    assert out.dtype == torch.float32
+    assert out.tolist() == [1.0, 2.0, 4.0, 5.0, 3.0, 0.0, 6.0, 7.0]
+
+
+def test_clear_drops_stashed_grads() -> None:
+    s = GradStaging(FlatLayout([(2,)], 1), torch.float32, CPU, False)
+    s.stash(0, torch.ones(2))
+    s.clear()
+    assert s.take_pending(torch.float32).tolist() == [0.0, 0.0]
+
+
 def test_persistent_pending_follows_comm_dtype() -> None:
-    s = GradStaging(4, torch.float32, CPU, True)
+    s = GradStaging(FlatLayout([(4,)], 1), torch.float32, CPU, True)
     a = s.take_pending(torch.float32)
     b = s.take_pending(torch.bfloat16)
     assert b.dtype == torch.bfloat16 and b is not a
@@ -35,7 +53,7 @@ def test_persistent_pending_follows_comm_dtype() -> None:
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_accumulator_cycle(persistent: bool) -> None:
-    s = GradStaging(3, torch.float32, CPU, persistent)
+    s = GradStaging(FlatLayout([(3,)], 1), torch.float32, CPU, persistent)
     s.accumulator().add_(1.0)
     s.accumulator().add_(2.0)  # a second microbatch accumulates
     acc = s.accumulator()
@@ -48,7 +66,7 @@ def test_accumulator_cycle(persistent: bool) -> None:
 
 
 def test_persistent_holds_cast_copy_until_end_backward() -> None:
-    s = GradStaging(2, torch.float32, CPU, True)
+    s = GradStaging(FlatLayout([(2,)], 1), torch.float32, CPU, True)
     s.accumulator().add_(1.5)
     full = s.take_accumulated(torch.bfloat16)
     assert full.dtype == torch.bfloat16 and s._held == [full]
@@ -58,7 +76,7 @@ def test_persistent_holds_cast_copy_until_end_backward() -> None:
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_clear_drops_unsynced_grads(persistent: bool) -> None:
-    s = GradStaging(2, torch.float32, CPU, persistent)
+    s = GradStaging(FlatLayout([(2,)], 1), torch.float32, CPU, persistent)
     acc = s.accumulator().add_(4.0)
     s.clear()
     assert s.accumulator().tolist() == [0.0, 0.0]
