@@ -66,20 +66,12 @@ def stale_weights_after_load() -> None:
 # ------------------------------------------------------------------------------ grad reduction
 def grads_summed_not_averaged() -> None:
     """Gradients are summed across data-parallel ranks instead of averaged (world-size x too large;
-    Adam hides much of it, SGD does not)."""
+    Adam hides much of it, SGD does not): the default pre-division by the dp size is skipped, and
+    ``average_in_collective``'s AVG collectives become SUM."""
     import torch.distributed as dist
 
-    def rs_sum(original: Any) -> Any:
-        def reduce_scatter_sum(output: Any, full: Any, group: Any) -> None:
-            dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group)
-        return reduce_scatter_sum
-
-    def ar_sum(original: Any) -> Any:
-        def all_reduce_sum(tensor: Any, group: Any) -> None:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-        return all_reduce_sum
-    replace("fsdp_impl.comm:reduce_scatter_avg", rs_sum)
-    replace("fsdp_impl.comm:all_reduce_avg", ar_sum)
+    replace("fsdp_impl.grad_reduce:GradScaling.prepare", lambda original: lambda self, full: None)
+    replace("fsdp_impl.grad_reduce:GradScaling.op", lambda original: property(lambda self: dist.ReduceOp.SUM))
 
 
 def hsdp_outer_reduce_every_microbatch() -> None:
@@ -168,7 +160,7 @@ def meta_init_rng_not_synchronised() -> None:
         def own_rng(device: Any, group: Any) -> None:
             torch.manual_seed(1000 + torch.distributed.get_rank())
         return own_rng
-    replace("fsdp_impl.api:sync_rng_from_rank0", make)
+    replace("fsdp_impl.assembly:sync_rng_from_rank0", make)
 
 
 # ---------------------------------------------------------------------------------- zero_grad
