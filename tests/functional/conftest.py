@@ -5,7 +5,9 @@ L0 runs on every change, so it must stay within minutes on 2 CPU cores yet touch
 below are chosen per suite for cost (2 ranks where the suite has them) and for the bug classes
 they catch (``tests/mutants``: each mutant that L0 kills is killed by one of them). A new suite
 adds at least one cell here; ``tests/unit/reports/test_functional_suites.py`` checks that every suite
-has one, that every listed cell exists and that none is marked ``slow`` (L0 deselects those).
+has one, that every listed cell exists and that none is marked ``slow`` (L0 deselects those). A
+GPU-only suite's cell skips on CPU with the missing requirement as the reason and runs in the GPU
+generations' L0.
 """
 from __future__ import annotations
 
