@@ -5,7 +5,9 @@ L0 runs on every change, so it must stay within minutes on 2 CPU cores yet touch
 below are chosen per suite for cost (2 ranks where the suite has them) and for the bug classes
 they catch (``tests/mutants``: each mutant that L0 kills is killed by one of them). A new suite
 adds at least one cell here; ``tests/unit/reports/test_functional_suites.py`` checks that every suite
-has one, that every listed cell exists and that none is marked ``slow`` (L0 deselects those).
+has one, that every listed cell exists and that none is marked ``slow`` (L0 deselects those). A
+GPU-only suite's cell skips on CPU with the missing requirement as the reason and runs in the GPU
+generations' L0.
 """
 from __future__ import annotations
 
@@ -38,6 +40,21 @@ L0_CELLS = (
     "test_mesh_world2.py::test_plain_fsdp_world2[no_shard]",
     # parity with a single-process reference (SGD: catches a sum instead of an average)
     "test_parity.py::test_parity_world2[optim_grads_params-cnn-fp32-mb1-eager]",
+    # drop-in arguments: grads against a reference (the default pre-division, then SUM)
+    "test_dropin_args.py::test_grad_reduction_modes_match_a_reference[default-3]",
+    # expert parallelism (4 ranks, the suite's smallest world): MoE grads and params vs one process
+    "test_expert_parallel.py::test_moe_with_expert_parallelism_matches_one_process[zero3]",
+    # wrap agreement: ranks wrapped differently fail together with the same message
+    "test_wrap_agreement.py::test_ranks_with_different_strategies_fail_together",
+    # FP8 (torch-native, CPU too): one amax all-reduce per step; the TE path through a stand-in
+    "test_fp8.py::test_one_amax_all_reduce_per_step[delayed]",
+    "test_fp8_te_standin.py::test_te_fp8_params_with_stand_in[regather]",
+    # GPU only (they skip on CPU naming CUDA or TransformerEngine): CUDA-graph replay on 2 ranks,
+    # TE FP8 params, the TE seed's quantized model, decoupled grads with TE's FusedAdam
+    "test_cuda_graph.py::test_replay_matches_eager_world2[zero3-plain-float32-adamw-full]",
+    "test_fp8_te.py::test_te_fp8_params[current-fsdp2-eager]",
+    "test_fp8_te_seed.py::test_fully_shard_te_quantized[False-current-mesh1211]",
+    "test_decoupled_grad_te.py::TestRegressionsWithFusedAdam::test_none_decoupled_grad_and_empty_shards[ws2]",
 )
 
 

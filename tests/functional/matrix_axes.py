@@ -39,6 +39,25 @@ def outer(strategy: int | str | None) -> str | None:
     raise ValueError(f"not an outer strategy: {strategy!r}; allowed: None, 0, 1 or {OUTER}")
 
 
+DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def dtype(value: Any) -> str:
+    """``torch.bfloat16`` (or ``"bfloat16"``, ``"bf16"``) -> ``"bf16"``."""
+    name = str(value).removeprefix("torch.")
+    if name in DTYPES.values():
+        return name
+    if name in DTYPES:
+        return DTYPES[name]
+    raise ValueError(f"not a matrix dtype: {value!r}; allowed: {sorted(DTYPES)} or {sorted(DTYPES.values())}")
+
+
+def recipe(name: str) -> str:
+    """An FP8 recipe by the name the torch-native suites use (TransformerEngine's ``block`` is
+    ``blockwise``), so both kinds of suite fill the same cells."""
+    return "blockwise" if name == "block" else str(name)
+
+
 def mesh(shard: int, outer: int = 1, cp: int = 1, tp: int = 1) -> str:
     """``mesh(2, outer=2)`` -> ``"outer2-shard2"``; dims of size 1 other than ``shard`` are omitted."""
     dims = [("outer", outer), ("shard", shard), ("cp", cp), ("tp", tp)]

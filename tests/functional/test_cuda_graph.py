@@ -37,6 +37,8 @@ from fsdp_impl.module import FullyShardedModule
 from fsdp_impl.optim import AdamW
 from fsdp_impl.unit import attach_unshard_pool
 from fsdp_impl.unshard_storage import UnshardStorage
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.graph_training import (
     GraphCase,
     assert_params_equal,
@@ -47,7 +49,7 @@ from tests.functional.common.graph_training import (
     wrap,
 )
 
-pytestmark = pytest.mark.requires_cuda
+pytestmark = [pytest.mark.requires_cuda, pytest.mark.matrix(model="graph_net", graph="cuda_graph")]
 
 WARMUP, STEPS, EXTRA = 3, 8, 10
 SCOPES = ["full", "fwd_bwd"]
@@ -58,6 +60,15 @@ HSDP = [GraphCase(s, "no_shard", d) for s in (1, 2, 3) for d in DTYPES]
 
 def _ids(case: GraphCase) -> str:
     return case.id
+
+
+def _cell(world: int, graph: str = "cuda_graph") -> pytest.MarkDecorator:
+    """The matrix cell of the ``case`` parametrisation on ``world`` ranks (HSDP: dp_outer = world)."""
+    def mesh(case: GraphCase) -> str:
+        return axes.mesh(world) if case.outer is None else axes.mesh(1, outer=world)
+    return pytest.mark.matrix(mesh=matrix.param("case", mesh), zero=axes.item("case", "strategy", axes.zero),
+                              outer=axes.item("case", "outer", axes.outer),
+                              dtype=axes.item("case", "dtype", axes.dtype), graph=graph)
 
 
 def _wrap(case: GraphCase, device: torch.device, pool: bool) -> tuple[FullyShardedModule, torch.optim.Optimizer]:
@@ -147,6 +158,7 @@ def check_replay_matches_eager(case: GraphCase, scope: str, device: torch.device
 
 # ------------------------------------------------------------------------------------------ 1 GPU
 @pytest.mark.distributed(world_size=1, timeout=600)
+@_cell(1)
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("case", PLAIN, ids=_ids)
 def test_replay_matches_eager_world1(case: GraphCase, scope: str, dist_env) -> None:
@@ -154,6 +166,7 @@ def test_replay_matches_eager_world1(case: GraphCase, scope: str, dist_env) -> N
 
 
 @pytest.mark.distributed(world_size=1, timeout=600)
+@_cell(1)
 @pytest.mark.parametrize("case,scope,pool", [
     (GraphCase(3), "full", True), (GraphCase(3, dtype=torch.bfloat16), "fwd_bwd", True),
     (GraphCase(1, optimizer="sgd"), "full", False), (GraphCase(3, optimizer="sgd"), "fwd_bwd", False),
@@ -168,6 +181,7 @@ def test_replay_variants_world1(case: GraphCase, scope: str, pool: bool, dist_en
                                     "buffer that a captured CUDA graph writes into: replays silently "
                                     "stopped delivering gradients")
 @pytest.mark.distributed(world_size=1, timeout=600)
+@pytest.mark.matrix(mesh=axes.mesh(1), zero="optim_grads_params", dtype="fp32")
 def test_zero_grad_set_to_none_cannot_break_replay_world1(dist_env) -> None:
     """Before the fix, ``optimizer.zero_grad()`` (set_to_none=True, torch's default) after capture
     freed the grad buffer and set ``.grad`` to None: the replays then wrote into memory nobody read
@@ -192,6 +206,7 @@ def test_zero_grad_set_to_none_cannot_break_replay_world1(dist_env) -> None:
 
 # ------------------------------------------------------------------------------------------ 2 GPUs
 @pytest.mark.distributed(world_size=2, timeout=600)
+@_cell(2)
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("case", PLAIN + HSDP, ids=_ids)
 def test_replay_matches_eager_world2(case: GraphCase, scope: str, dist_env) -> None:
@@ -199,6 +214,7 @@ def test_replay_matches_eager_world2(case: GraphCase, scope: str, dist_env) -> N
 
 
 @pytest.mark.distributed(world_size=2, timeout=600)
+@_cell(2)
 @pytest.mark.parametrize("case,scope,pool", [
     (GraphCase(3, "optim"), "full", False), (GraphCase(3, "optim", torch.bfloat16), "fwd_bwd", False),
     (GraphCase(3), "full", True), (GraphCase(3, "no_shard"), "fwd_bwd", True),
@@ -210,6 +226,7 @@ def test_replay_variants_world2(case: GraphCase, scope: str, pool: bool, dist_en
 
 
 @pytest.mark.distributed(world_size=2, timeout=600)
+@_cell(2, graph="eager")  # graph mode's eager path (no capture) against the normal engine
 @pytest.mark.parametrize("case", [GraphCase(1), GraphCase(2, "no_shard"), GraphCase(3),
                                   GraphCase(3, dtype=torch.bfloat16)], ids=_ids)
 def test_graph_mode_eager_matches_normal_mode_world2(case: GraphCase, dist_env) -> None:
@@ -276,6 +293,7 @@ def _optimizer_replay_matches_eager(make_opt, steps: int = 6) -> tuple[torch.opt
 
 
 @pytest.mark.forked
+@pytest.mark.matrix(model="optimizer_only", dtype="fp32")
 @pytest.mark.parametrize("kwargs", [{}, {"amsgrad": True, "exp_avg_dtype": torch.bfloat16}],
                          ids=["fp32", "amsgrad-bf16-moments"])
 def test_capturable_adamw_replay_is_bitwise_eager(kwargs) -> None:
@@ -284,6 +302,7 @@ def test_capturable_adamw_replay_is_bitwise_eager(kwargs) -> None:
 
 
 @pytest.mark.forked
+@pytest.mark.matrix(model="optimizer_only", dtype="fp32")
 def test_sgd_momentum_replay_is_bitwise_eager() -> None:
     """torch SGD has no step counter and no host sync; its momentum buffers are made by the
     warm-up step, so the captured step is its steady-state update."""

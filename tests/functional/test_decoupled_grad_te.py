@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from fsdp_impl import fully_shard, fully_shard_model, fully_shard_optimizer
 from fsdp_impl.clip_grad import clip_grad_norm
 from fsdp_impl.decoupled import local_tensor
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.decoupled import (
     LR,
     MAX_NORM,
@@ -33,7 +35,9 @@ from tests.functional.common.decoupled import (
 )
 from tests.functional.test_decoupled_grad import WORLDS
 
-pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine")]
+pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine"),
+              pytest.mark.matrix(mesh=matrix.param("world", axes.mesh), zero="optim_grads_params",
+                                 model="decoupled_net", dtype="fp32")]
 # FusedAdam (fused CUDA kernel) vs torch.optim.AdamW on the reference: TE measured a 1.4e-6 max
 # parameter difference after 3 steps; losses over 5 steps stay within 1e-4 relative.
 FUSED_LOSS_RTOL = 1e-4

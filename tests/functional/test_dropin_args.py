@@ -21,9 +21,12 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_impl import fully_shard, fully_shard_model
 from fsdp_impl.options import WrapOptions
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.models import SmallCNN, build_model, loss_fn, make_batch
 
-pytestmark = pytest.mark.distributed(world_size=2, timeout=300)
+pytestmark = [pytest.mark.distributed(world_size=2, timeout=300),
+              pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params", model="cnn", dtype="fp32")]
 
 UNITS = [nn.Conv2d, nn.Linear]
 RTOL = 1e-5
@@ -61,6 +64,7 @@ def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Ten
         assert err <= RTOL, f"{what}: {name} relative error {err:.3g}"
 
 
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero))
 @pytest.mark.parametrize("strategy", [0, 1, 2, 3])
 @pytest.mark.parametrize("mode", ["default", "average_in_collective", "calculate_per_token_loss"])
 def test_grad_reduction_modes_match_a_reference(mode: str, strategy: int, dist_env: Any) -> None:
@@ -124,6 +128,7 @@ def test_device_argument(dist_env: Any) -> None:
         fully_shard_model(build_model("cnn"), device=2.5)
 
 
+@pytest.mark.matrix(zero=matrix.param("kwargs", lambda kw: axes.zero(kw.get("zero_dp_strategy", 3))))
 @pytest.mark.parametrize("kwargs", [dict(disable_bucketing=True), dict(fsdp_db_use_persist_buf_on_alloc_fail=True),
                                     dict(disable_symmetric_registration=True),
                                     dict(fsdp_double_buffer=True, zero_dp_strategy=1),
@@ -197,6 +202,7 @@ def test_fsdp_group_ag_must_match_the_gather_group(dist_env: Any) -> None:
         fully_shard_model(build_model("cnn"), fsdp_group_ag="ag")
 
 
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero))
 @pytest.mark.parametrize("strategy", [1, 3])
 def test_root_class_listed_in_unit_modules_makes_one_unit(strategy: int, dist_env: Any) -> None:
     """As in Megatron-FSDP: the whole model is one unit, gathered before the root's forward."""

@@ -25,9 +25,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_impl import checkpoint, fully_shard, fully_shard_model
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.test_dropin_args import _assert_close, _fsdp_grads, _reference_grads
 
-pytestmark = pytest.mark.distributed(world_size=4, timeout=300)
+pytestmark = [pytest.mark.distributed(world_size=4, timeout=300),
+              pytest.mark.matrix(mesh=axes.mesh(4), zero="optim_grads_params", model="tiny_moe", dtype="fp32")]
 
 D, EXPERTS, EP, TOKENS = 6, 4, 2, 5
 
@@ -173,6 +176,9 @@ CASES = [dict(zero_dp_strategy=3), dict(zero_dp_strategy=1, average_in_collectiv
          dict(zero_dp_strategy=3, outer_dp_sharding_strategy=1, hsdp=True, average_in_collective=True)]
 
 
+@pytest.mark.matrix(mesh=matrix.param("case", lambda c: axes.mesh(2, outer=2) if c.get("hsdp") else axes.mesh(4)),
+                    zero=axes.item("case", "zero_dp_strategy", axes.zero),
+                    outer=matrix.param("case", lambda c: axes.outer(c.get("outer_dp_sharding_strategy"))))
 @pytest.mark.parametrize("case", CASES, ids=["zero3", "zero1-avg", "hsdp", "hfsdp-avg"])
 def test_moe_with_expert_parallelism_matches_one_process(case: dict, dist_env: Any) -> None:
     case = dict(case)
@@ -245,6 +251,7 @@ def test_allreduce_false_params_need_an_expert_mesh(dist_env: Any) -> None:
     assert not any(u.name.endswith("[experts]") for u in wrapped._fsdp_engine.units)
 
 
+@pytest.mark.matrix(mesh=axes.mesh(2, outer=2), outer=matrix.param("outer", axes.outer), model="cnn")
 @pytest.mark.parametrize("outer", [0, 1])
 @pytest.mark.parametrize("mode", ["default", "average_in_collective", "calculate_per_token_loss"])
 def test_grad_reduction_modes_under_hsdp(mode: str, outer: int, dist_env: Any) -> None:

@@ -30,6 +30,8 @@ import torch.nn as nn
 
 from fsdp_impl import MixedPrecisionPolicy, checkpoint, fully_shard
 from fsdp_impl.fp8 import BlockwiseScaling, CurrentScaling, convert_to_fp8
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common import fp8_training as ft
 from tests.functional.common.collective_counter import CollectiveCounter
 from tests.functional.common.mesh import data_position, seed_kwargs, seed_mesh
@@ -51,6 +53,7 @@ PARITY_RTOL = {"cpu": 1e-6, "cuda": 1e-3}
 FP8_VS_BF16 = 0.03
 GATHER_RATIO = 0.55
 
+pytestmark = pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params", model="fp8_net", dtype="bf16")
 W1 = pytest.mark.distributed(world_size=1, timeout=300)
 W2 = pytest.mark.distributed(world_size=2, timeout=300)
 W4 = [pytest.mark.distributed(world_size=4, timeout=600), pytest.mark.slow]
@@ -102,6 +105,13 @@ def _check_parity(fsdp: ft.RunResult, ref: ft.RunResult, device: torch.device) -
     assert err <= rtol, f"final main param {where}: relative error {err:.3g}"
 
 
+def _mesh_cell(name: str) -> str:
+    _, shape, _ = MESHES[name]
+    return axes.mesh(1) if shape is None else axes.mesh_shape(shape)
+
+
+@pytest.mark.matrix(mesh=matrix.param("mesh", _mesh_cell), outer=matrix.param("mesh", lambda n: MESHES[n][2]),
+                    recipe=matrix.param("recipe"))
 @pytest.mark.parametrize("recipe,mesh,meta", _cases())
 def test_training_matches_reference(recipe: str, mesh: str, meta: bool, dist_env) -> None:
     kwargs, slot, slots = _mesh_kwargs(mesh, dist_env.device)
@@ -112,6 +122,7 @@ def test_training_matches_reference(recipe: str, mesh: str, meta: bool, dist_env
 
 
 @W2
+@pytest.mark.matrix(zero=matrix.param("strategy"), recipe="current")
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
 def test_zero12_fp8_params_match_reference(strategy: str, dist_env) -> None:
     """ZeRO-1/2: persistent FP8 compute weights refreshed by the FP8-byte gather when the
@@ -144,6 +155,7 @@ def _gather_run(recipe: str, fp8_params: bool, keep: bool, device: torch.device)
 
 
 @W2
+@pytest.mark.matrix(recipe=matrix.param("recipe"))
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_gather_bytes_and_bits(recipe: str, dist_env) -> None:
     """FP8 bytes instead of bf16: same losses bit for bit, <= 0.55x the gathered bytes; with
@@ -157,6 +169,7 @@ def test_fp8_gather_bytes_and_bits(recipe: str, dist_env) -> None:
 
 
 @W2
+@pytest.mark.matrix(recipe=matrix.param("recipe"))
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_one_amax_all_reduce_per_step(recipe: str, dist_env) -> None:
     """ZeRO-3: the engine's only all-reduce is the amax one (requantisation for current and
@@ -173,6 +186,7 @@ def test_one_amax_all_reduce_per_step(recipe: str, dist_env) -> None:
 
 
 @W2
+@pytest.mark.matrix(recipe=matrix.param("recipe"))
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_close_to_bf16(recipe: str, dist_env) -> None:
     plain, opt = ft.wrap(ft.build(None))
@@ -185,6 +199,7 @@ def test_fp8_close_to_bf16(recipe: str, dist_env) -> None:
 
 
 @W2
+@pytest.mark.matrix(recipe=matrix.param("recipe"))
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_dcp_resume_next_loss_bit_exact(recipe: str, dist_env, shared_tmp_path) -> None:
     model, opt = ft.wrap(ft.build(recipe))
@@ -207,6 +222,8 @@ def _shard(module: nn.Module, **kwargs):
 
 
 @W1
+@pytest.mark.matrix(mesh=axes.mesh(1), recipe="current",
+                    zero=lambda params: axes.zero(params["kwargs"].get("zero_dp_strategy", 3)))
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(zero_dp_strategy="no_shard"), ValueError, r"FP8 parameters \(Float8Linear 'blocks.0.fc1'.*"
      r"not supported with zero_dp_strategy='no_shard'/0.*allowed strategies: 'optim'/1"),
@@ -223,12 +240,14 @@ def test_fp8_param_errors(kwargs, exc, match, dist_env) -> None:
 
 
 @W1
+@pytest.mark.matrix(mesh=axes.mesh(1), recipe="current")
 def test_keep_transpose_without_fp8_params_errors(dist_env) -> None:
     with pytest.raises(ValueError, match=r"keep_fp8_transpose_cache=True needs FP8 parameters.*pass False"):
         _shard(_fp8_model(fp8_params=False), keep_fp8_transpose_cache=True)
 
 
 @W1
+@pytest.mark.matrix(mesh=axes.mesh(1), recipe="current")
 def test_tied_fp8_weight_errors(dist_env) -> None:
     model = _fp8_model()
     model.blocks[1].fc1.weight = model.blocks[0].fc1.weight
@@ -237,6 +256,7 @@ def test_tied_fp8_weight_errors(dist_env) -> None:
 
 
 @W1
+@pytest.mark.matrix(mesh=axes.mesh(1), recipe="blockwise")
 def test_block_size_divisibility_errors(dist_env) -> None:
     with pytest.raises(ValueError, match=r"BlockwiseScaling\(block_size=32\) needs linear dims divisible by "
                                          r"the block size; 'blocks.0.fc1' has out_features=48"):

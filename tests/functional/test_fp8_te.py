@@ -35,10 +35,13 @@ import torch.nn.functional as F
 from fsdp_impl import MixedPrecisionPolicy, clip_grad_norm, fully_shard
 from fsdp_impl.decoupled import local_tensor
 from fsdp_impl.optim import AdamW
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.collective_counter import CollectiveCounter
 from tests.functional.common.mesh import data_position, seed_kwargs, seed_mesh
 
-pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine")]
+pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine"),
+              pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params", model="te_net", dtype="bf16")]
 
 HIDDEN, FFN, TOKENS = 128, 256, (4, 32)  # FP8 GEMMs want dims and token counts in multiples of 16
 STEPS = 4
@@ -169,6 +172,13 @@ def _cases() -> list:
             for mesh, (marks, _, _) in MESHES.items() for recipe in RECIPES for meta in (False, True)]
 
 
+def _mesh_cell(name: str) -> str:
+    _, shape, _ = MESHES[name]
+    return axes.mesh(1) if shape is None else axes.mesh_shape(shape)
+
+
+@pytest.mark.matrix(mesh=matrix.param("mesh", _mesh_cell), outer=matrix.param("mesh", lambda n: MESHES[n][2]),
+                    recipe=matrix.param("recipe_name", axes.recipe))
 @pytest.mark.parametrize("recipe_name,mesh,meta", _cases())
 def test_te_fp8_params(recipe_name: str, mesh: str, meta: bool, dist_env) -> None:
     recipe = te_recipe(recipe_name)
@@ -198,6 +208,7 @@ def test_te_fp8_params(recipe_name: str, mesh: str, meta: bool, dist_env) -> Non
 
 
 @W2
+@pytest.mark.matrix(recipe=matrix.param("recipe_name", axes.recipe))
 @pytest.mark.parametrize("recipe_name", ["delayed", "current", "block"])
 def test_te_keep_transpose_cache(recipe_name: str, dist_env) -> None:
     """The kept transposes make the backward gather only the non-FP8 params; same numbers."""
@@ -213,6 +224,7 @@ def test_te_keep_transpose_cache(recipe_name: str, dist_env) -> None:
 
 
 @W2
+@pytest.mark.matrix(zero=matrix.param("strategy"), recipe="current")
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
 def test_te_fp8_params_zero12(strategy: str, dist_env) -> None:
     """ZeRO-1/2: persistent FP8 weights refreshed by the FP8-byte gather; they train like ZeRO-3."""
@@ -225,6 +237,7 @@ def test_te_fp8_params_zero12(strategy: str, dist_env) -> None:
 
 
 @W2
+@pytest.mark.matrix(recipe=matrix.param("recipe_name", axes.recipe))
 @pytest.mark.parametrize("recipe_name", ["delayed", "current", "block"])
 def test_te_fused_adam_decoupled_capturable_bf16_moments(recipe_name: str, dist_env) -> None:
     """TE FusedAdam (use_decoupled_grad, capturable, bf16 moments) through our optimizer wrapping

@@ -30,10 +30,13 @@ import torch.nn as nn
 from torch.nn.functional import mse_loss
 
 from fsdp_impl import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
+from harness import matrix
+from tests.functional import matrix_axes as axes
 from tests.functional.common.mesh import seed_mesh
 from tests.functional.test_fp8_te import assert_grads_on_owned_shards, te_recipe
 
-pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine")]
+pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine"),
+              pytest.mark.matrix(mesh=matrix.param("mesh_shape", axes.mesh_shape), model="te_transformer")]
 
 NUM_STEPS, DIM_SIZE = 2, 2
 W2 = pytest.mark.distributed(world_size=2, timeout=600, bucket="te_seed_w2")
@@ -115,6 +118,8 @@ def _fp8_steps(model: nn.Module, optimizer: Any, recipe: Any, contexts: list[Any
     return losses
 
 
+@pytest.mark.matrix(zero="optim_grads_params", outer="optim", dtype="bf16",
+                    recipe=matrix.param("te_recipe_name", axes.recipe))
 @pytest.mark.parametrize("mesh_shape", FP8_MESHES)
 @pytest.mark.parametrize("te_recipe_name", ["delayed", "current", "block", "mxfp8"])
 @pytest.mark.parametrize("init_model_with_meta_device", [True, False])
@@ -131,6 +136,8 @@ def test_fully_shard_te_quantized(init_model_with_meta_device: bool, te_recipe_n
     _fp8_steps(model, optimizer, recipe, [contextlib.nullcontext()] * NUM_STEPS)
 
 
+@pytest.mark.matrix(zero=matrix.param("dp_shard_strategy"), outer=matrix.param("dp_outer_strategy"), dtype="bf16",
+                    recipe="delayed")
 @pytest.mark.parametrize("mesh_shape", FP8_MESHES)
 @pytest.mark.parametrize("dp_shard_strategy", ["optim", "optim_grads", "optim_grads_params"])
 @pytest.mark.parametrize("dp_outer_strategy", ["no_shard", "optim"])
@@ -171,6 +178,8 @@ def _te_transformer_skip(strategy: str, outer: str | None, common: dict) -> str 
     return None
 
 
+@pytest.mark.matrix(zero=matrix.param("dp_shard_strategy"), outer=matrix.param("dp_outer_strategy"), dtype="fp32",
+                    graph=matrix.param("common", lambda c: "compile" if c["compile"] else "eager"))
 @pytest.mark.parametrize("mesh_shape", TE_TRANSFORMER_MESHES)
 @pytest.mark.parametrize("dp_shard_strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 @pytest.mark.parametrize("dp_outer_strategy", [None, "no_shard", "optim"])

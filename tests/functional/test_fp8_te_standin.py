@@ -27,10 +27,13 @@ import torch.nn as nn
 
 from fsdp_impl import MixedPrecisionPolicy, fully_shard
 from fsdp_impl.fp8 import E4M3, CurrentQuantizer
+from tests.functional import matrix_axes as axes
 from tests.functional.common import fp8_training as ft
 from tests.functional.common.numerics import max_relative_error
 
-pytestmark = pytest.mark.distributed(world_size=2, timeout=300)
+pytestmark = [pytest.mark.distributed(world_size=2, timeout=300),
+              pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params", model="fp8_net", dtype="bf16",
+                                 recipe="current")]
 STEPS = 6
 
 

@@ -17,9 +17,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_impl import fully_shard, fully_shard_model
 from fsdp_impl.agreement import check_ranks_agree, digest
+from tests.functional import matrix_axes as axes
 from tests.functional.common.models import build_model
 
-pytestmark = pytest.mark.distributed(world_size=2, timeout=120)
+pytestmark = [pytest.mark.distributed(world_size=2, timeout=120),
+              pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params", model="cnn", dtype="fp32")]
 
 
 def _cnn_and_adam(**kwargs: Any) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -63,23 +63,33 @@ def stale_weights_after_load() -> None:
     replace("fsdp_impl.checkpoint._api:_install_model_state", _wrap_after(forget))
 
 
+def manifest_published_before_data() -> None:
+    """A save publishes the manifest naming the new data directory before the data is written:
+    a save that dies in between leaves a checkpoint that names missing or partial data (and the
+    previous checkpoint is already gone)."""
+    import torch
+
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def publish_first(data: Any, path: Any, state: Any, snapshot: Any, extra: Any) -> None:
+            from fsdp_impl.checkpoint import _comm, _files, _layout
+            if _comm.rank() == 0:
+                _layout.commit(path, data, _files.new_manifest(snapshot.description, {}, _comm.world_size(),
+                                                               torch.__version__))
+            original(data, path, state, snapshot, extra)
+        return publish_first
+    replace("fsdp_impl.checkpoint._api:_write", make)
+
+
 # ------------------------------------------------------------------------------ grad reduction
 def grads_summed_not_averaged() -> None:
     """Gradients are summed across data-parallel ranks instead of averaged (world-size x too large;
-    Adam hides much of it, SGD does not)."""
+    Adam hides much of it, SGD does not): the default pre-division by the dp size is skipped, and
+    ``average_in_collective``'s AVG collectives become SUM."""
     import torch.distributed as dist
 
-    def rs_sum(original: Any) -> Any:
-        def reduce_scatter_sum(output: Any, full: Any, group: Any) -> None:
-            dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group)
-        return reduce_scatter_sum
-
-    def ar_sum(original: Any) -> Any:
-        def all_reduce_sum(tensor: Any, group: Any) -> None:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-        return all_reduce_sum
-    replace("fsdp_impl.comm:reduce_scatter_avg", rs_sum)
-    replace("fsdp_impl.comm:all_reduce_avg", ar_sum)
+    replace("fsdp_impl.grad_reduce:GradScaling.prepare", lambda original: lambda self, full: None)
+    replace("fsdp_impl.grad_reduce:GradScaling.op", lambda original: property(lambda self: dist.ReduceOp.SUM))
 
 
 def hsdp_outer_reduce_every_microbatch() -> None:
@@ -168,7 +178,7 @@ def meta_init_rng_not_synchronised() -> None:
         def own_rng(device: Any, group: Any) -> None:
             torch.manual_seed(1000 + torch.distributed.get_rank())
         return own_rng
-    replace("fsdp_impl.api:sync_rng_from_rank0", make)
+    replace("fsdp_impl.assembly:sync_rng_from_rank0", make)
 
 
 # ---------------------------------------------------------------------------------- zero_grad
@@ -177,6 +187,33 @@ def zero_grad_drops_grad_views() -> None:
     ``.grad`` views a captured CUDA graph (or any holder) keeps are dropped and replaced."""
     replace("fsdp_impl.unit:FSDPUnit.zero_grad_buffers",
             lambda original: lambda self, free=False: original(self, True))
+
+
+# -------------------------------------------------------------------------------- CUDA graphs
+def graph_mode_zero_grad_set_to_none_allowed() -> None:
+    """With ``cuda_graph_mode=True``, ``zero_grad(set_to_none=True)`` frees the grad buffers instead
+    of being refused: the ``.grad`` views a captured graph writes into are dropped, and replays
+    silently stop delivering gradients."""
+    def make(original: Any) -> Any:
+        def zero_grad_buffers(self: Any, free: bool = False) -> None:
+            for unit in self.units:
+                unit.zero_grad_buffers(free)
+        return zero_grad_buffers
+    replace("fsdp_impl.engine:FSDPEngine.zero_grad_buffers", make)
+
+
+# -------------------------------------------------------------------------------------- FP8
+def fp8_amax_not_reduced() -> None:
+    """FP8 parameters are quantised with each rank's local amax (of its shard) instead of the
+    full tensor's: the MAX all-reduces of the requantisation and of delayed scaling are skipped,
+    so the ranks' shards of one weight get different scales."""
+    import types
+
+    def make(original: Any) -> Any:
+        local = types.SimpleNamespace(**{n: getattr(original, n) for n in dir(original) if not n.startswith("__")})
+        local.all_reduce_max = lambda tensor, group: None
+        return local
+    replace("fsdp_impl.fp8_params:comm", make)
 
 
 # ------------------------------------------------------------------------------------- harness
@@ -205,6 +242,8 @@ MUTANTS = (
            (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2")),
     Mutant("stale_weights_after_load", "stale compute weights after checkpoint load",
            (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2")),
+    Mutant("manifest_published_before_data", "checkpoint manifest published before its data is written",
+           ("tests/unit/checkpoint/test_checkpoint_crash_safety.py", "-k", "test_killed_save_leaves_a_complete")),
     Mutant("grads_summed_not_averaged", "grads summed instead of averaged",
            (F + "test_mesh_world2.py", "-k", "test_plain_fsdp_world2")),
     Mutant("hsdp_outer_reduce_every_microbatch", "HSDP outer reduce on every microbatch",
@@ -225,6 +264,10 @@ MUTANTS = (
            (F + "test_engine_features.py", "-k", "test_meta_init_equals_eager_init")),
     Mutant("zero_grad_drops_grad_views", "zero_grad(set_to_none=True) semantics drop captured grad views",
            (F + "test_engine_features.py", "-k", "test_zero_grad_keep_views")),
+    Mutant("graph_mode_zero_grad_set_to_none_allowed", "zero_grad(set_to_none=True) allowed in CUDA-graph mode",
+           ("tests/unit/fsdp/test_graph_mode_cpu.py", "-k", "test_zero_grad_set_to_none_is_refused")),
+    Mutant("fp8_amax_not_reduced", "FP8 scales from each rank's local amax",
+           (F + "test_fp8.py", "-k", "test_training_matches_reference and delayed-fsdp2-eager")),
     Mutant("harness_rank0_outcome_only", "the harness aggregates only rank 0's outcome",
            ("tests/unit/reports/test_signoff_harness_contract.py",)),
 )
