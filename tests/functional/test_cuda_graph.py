@@ -21,8 +21,8 @@ Matrix: ZeRO {1, 2, 3} x {fp32, bf16 compute with fp32 main params} x scope {ful
 GPU (plain FSDP) and 2 GPUs (plain FSDP and HSDP over a (dp_outer=2, dp_shard=1) mesh); plus ZeRO-3
 with the 2-slot unshard pool, HFSDP, torch SGD, and the ``zero_grad(set_to_none=True)`` regression;
 and graph mode's eager path against the normal engine on real streams.
-Single-process captures (optimizers alone) run forked, so a capture that kills the process fails
-one test. The h200 L0 tier runs the 2-GPU cases (``-k world2``).
+Single-process captures (optimizers alone) run in a fresh 1-rank process each bucket, so a capture
+that kills the process fails one test. The h200 L0 tier runs the 2-GPU cases (``-k world2``).
 """
 from __future__ import annotations
 
@@ -248,18 +248,15 @@ def test_graph_mode_eager_matches_normal_mode_world2(case: GraphCase, dist_env) 
     assert_params_equal(params, ref_params, "graph-mode eager vs normal eager")
 
 
-# ------------------------------------------------------------------ single process (forked)
-def _cuda_in_this_process() -> torch.device:
-    if torch.cuda._is_in_bad_fork():
-        pytest.fail("CUDA was initialised in the pytest process before this forked test; run this file "
-                    "without in-process CUDA tests before it in the same worker")
-    return torch.device("cuda", 0)
+# ------------------------------------------------------------------ single process (one fresh rank)
+# These need no process group, but run as 1-rank distributed tests: a fresh rank process starts
+# with CUDA untouched whatever the pytest process did (a forked child inherits its CUDA state).
 
 
-def _optimizer_replay_matches_eager(make_opt, steps: int = 6) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+def _optimizer_replay_matches_eager(make_opt, device: torch.device,
+                                    steps: int = 6) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
     """``make_opt(params)`` stepped eagerly vs one warm-up step then a captured step replayed:
     new grads are copied into the same ``.grad`` tensors before every step."""
-    device = _cuda_in_this_process()
     gen = torch.Generator().manual_seed(0)
     start = [torch.randn(s, generator=gen) for s in [(33, 7), (5,), (0,)]]
     grads = [[torch.randn(t.shape, generator=gen).to(device) for t in start] for _ in range(steps)]
@@ -292,18 +289,20 @@ def _optimizer_replay_matches_eager(make_opt, steps: int = 6) -> tuple[torch.opt
     return eager, graphed
 
 
-@pytest.mark.forked
+@pytest.mark.distributed(world_size=1, timeout=300)
 @pytest.mark.matrix(model="optimizer_only", dtype="fp32")
 @pytest.mark.parametrize("kwargs", [{}, {"amsgrad": True, "exp_avg_dtype": torch.bfloat16}],
                          ids=["fp32", "amsgrad-bf16-moments"])
-def test_capturable_adamw_replay_is_bitwise_eager(kwargs) -> None:
-    eager, graphed = _optimizer_replay_matches_eager(lambda ps: AdamW(ps, lr=1e-2, capturable=True, **kwargs))
+def test_capturable_adamw_replay_is_bitwise_eager(kwargs, dist_env) -> None:
+    eager, graphed = _optimizer_replay_matches_eager(lambda ps: AdamW(ps, lr=1e-2, capturable=True, **kwargs),
+                                                     dist_env.device)
     assert _step_count(graphed) == _step_count(eager) == 6
 
 
-@pytest.mark.forked
+@pytest.mark.distributed(world_size=1, timeout=300)
 @pytest.mark.matrix(model="optimizer_only", dtype="fp32")
-def test_sgd_momentum_replay_is_bitwise_eager() -> None:
+def test_sgd_momentum_replay_is_bitwise_eager(dist_env) -> None:
     """torch SGD has no step counter and no host sync; its momentum buffers are made by the
     warm-up step, so the captured step is its steady-state update."""
-    _optimizer_replay_matches_eager(lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=1e-3))
+    _optimizer_replay_matches_eager(lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=1e-3),
+                                    dist_env.device)

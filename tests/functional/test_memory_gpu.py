@@ -16,7 +16,8 @@ known from the parameter shapes alone, without asking the engine:
   a wrap that gathered every unit at once would need ``16 U``;
 - every step returns to the same resting level (no growth over steps).
 
-All comparisons allow 1 MiB for the caching allocator's 512-byte rounding.
+All comparisons allow 1 MiB for the caching allocator's 512-byte rounding; levels are read after
+a synchronisation and ``empty_cache`` (see ``_allocated``).
 """
 from __future__ import annotations
 
@@ -53,7 +54,12 @@ def _shard_numel(model: nn.Module, n: int) -> int:
 
 
 def _allocated(device: torch.device) -> int:
+    """Bytes of live tensors. A block freed while a side stream still had work recorded on it
+    stays counted as allocated until the allocator next processes its events (at a later
+    allocation); ``empty_cache`` processes them after the synchronisation, so what remains is
+    what is really held."""
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     return torch.cuda.memory_allocated(device)
 
 
