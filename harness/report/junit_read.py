@@ -13,10 +13,10 @@ import dataclasses
 import pathlib
 import re
 import types
-import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Sequence
 
 import junitparser
+from junitparser.junitparser import etree as JUNIT_ETREE  # lxml when installed, else ElementTree
 
 # Outcomes, worst last: a testcase with several children (a failed call plus a
 # teardown error) takes the worst one. FLAKY: failed, then passed on a rerun (never "passed").
@@ -318,17 +318,19 @@ def to_case(case: junitparser.TestCase, run: str) -> TestCase:
 
 
 def parse_junit_file(path: pathlib.Path) -> PytestXml:
-    """The JUnit document at ``path``; JunitError names the file when it is unusable."""
+    """The JUnit document at ``path``; JunitError names the file when it is unusable. Parsed
+    with the XML library junitparser itself uses (lxml when installed), so its elements can be
+    merged into documents junitparser builds."""
     try:
-        tree = ET.parse(path)
+        tree = JUNIT_ETREE.parse(str(path))
     except FileNotFoundError:
         raise JunitError(f"JUnit file not found: {path}") from None
-    except ET.ParseError as exc:
+    except JUNIT_ETREE.ParseError as exc:
         raise JunitError(f"{path} is not well-formed XML ({exc})") from None
     except OSError as exc:
         raise JunitError(f"cannot read JUnit file {path}: {exc}") from None
     root = tree.getroot()
-    if root.tag not in ("testsuites", "testsuite"):
+    if root.tag not in ("testsuites", "testsuite"):  # lxml and ElementTree alike
         raise JunitError(f"{path} is not JUnit XML: root element is <{root.tag}>, "
                          "expected <testsuites> or <testsuite>")
     xml = PytestXml.fromfile(str(path), parse_func=lambda _file: tree)
