@@ -111,6 +111,12 @@ def prepare(path: Path) -> Path:
     return new
 
 
+def publish_manifest(tmp: Path, manifest_path: Path) -> None:
+    """The commit point of a save: one atomic replace. Its own function so that crash tests
+    stop exactly here, not at a rename torch's DCP writer does while writing the data."""
+    os.replace(tmp, manifest_path)
+
+
 def commit(path: Path, new_data: Path, manifest: dict[str, Any]) -> None:
     """Make ``new_data`` the checkpoint at ``path``: one atomic replace of ``manifest.json``;
     then remove what the previous manifest named (its data directory, or a version-1
@@ -121,7 +127,7 @@ def commit(path: Path, new_data: Path, manifest: dict[str, Any]) -> None:
     tmp = path / f"{MANIFEST_NAME}.tmp-{_unique()}"
     write_file_durably(tmp, json.dumps(manifest, indent=1).encode())
     try:
-        os.replace(tmp, path / MANIFEST_NAME)  # the commit point
+        publish_manifest(tmp, path / MANIFEST_NAME)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

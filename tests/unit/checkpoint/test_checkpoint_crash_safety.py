@@ -70,20 +70,24 @@ def _in_extra_write(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_files, "write_file_durably", _die)
 
 
+# The commit crash points patch the checkpoint's own publish step, not ``os.replace``: torch's DCP
+# writer renames files of its own while writing the data (differently across torch versions).
 def _before_commit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dies with the new data and the new manifest's temp file written, before the replace."""
-    monkeypatch.setattr(os, "replace", _die)
+    from fsdp_impl.checkpoint import _layout
+    monkeypatch.setattr(_layout, "publish_manifest", _die)
 
 
 def _after_commit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dies right after the atomic replace, before anything superseded is removed."""
-    real = os.replace
+    from fsdp_impl.checkpoint import _layout
+    real = _layout.publish_manifest
 
-    def replace_then_die(src: str, dst: str) -> None:
-        real(src, dst)
+    def replace_then_die(tmp: Path, manifest_path: Path) -> None:
+        real(tmp, manifest_path)
         os._exit(KILLED)
 
-    monkeypatch.setattr(os, "replace", replace_then_die)
+    monkeypatch.setattr(_layout, "publish_manifest", replace_then_die)
 
 
 def _during_cleanup(monkeypatch: pytest.MonkeyPatch) -> None:
