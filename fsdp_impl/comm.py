@@ -17,18 +17,6 @@ def all_gather(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGro
         dist.all_gather_into_tensor(output, local, group=group)
 
 
-def reduce_scatter_avg(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Average ``full`` over ranks and keep this rank's segment in ``output``."""
-    with record_function("FSDP::reduce_scatter"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.AVG, group=group)
-
-
-def all_reduce_avg(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    with record_function("FSDP::all_reduce"):
-        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
-
-
 def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """MAX over ``group`` (``None``: the default group, i.e. every rank)."""
     with record_function("FSDP::all_reduce"):
