@@ -3,15 +3,21 @@
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     torchrun --standalone --nproc-per-node 2 bench/cuda_graph_bench.py --configs small,1.3b --md graph.md
 
-Per config, three fresh builds from the same init and data (seed 0):
+Per config, fresh builds from the same init and data (seed 0):
 
-- ``eager``: ``fsdp_impl.fully_shard`` as in the suite (torch AdamW);
+- ``eager``: ``fsdp_impl.fully_shard`` as in the suite (torch AdamW, torch's default foreach step);
+- ``eager-fused``: the same with ``torch.optim.AdamW(fused=True)``;
 - ``eager-graph-mode``: ``fully_shard(..., cuda_graph_mode=True)`` with
-  ``fsdp_impl.optim.AdamW(capturable=True)``, stepped eagerly with ``zero_grad(set_to_none=False)``;
+  ``fsdp_impl.optim.AdamW(capturable=True, fused=True)``, stepped eagerly with
+  ``zero_grad(set_to_none=False)``;
 - ``graph``: the same, captured with ``fsdp_impl.cuda_graph.capture_train_step(model, optimizer,
   step_fn, static_inputs, warmup=3)`` and timed by ``.replay()``. ``step_fn(inputs, target)`` runs
   forward, loss and backward and returns the loss; the captured step owns the optimizer step and
-  the grad reset (the optimizer is handed to it).
+  the grad reset (the optimizer is handed to it);
+- ``graph-foreach``: replay with ``fsdp_impl.optim.AdamW(capturable=True)`` (multi-tensor step).
+
+``--trace DIR`` also profiles 3 steps of each mode (``bench.trace_summary`` table in
+``DIR/graph_trace.md``), to see where the GPU time of each goes.
 
 The small config (8 layers, hidden 512, micro-batch 2, seq 256, vocab 8192) is launch-bound: its
 eager step is mostly host time, which replay removes. If ``capture_train_step`` (or the
@@ -55,17 +61,27 @@ def capture_api() -> tuple[Callable | None, str]:
     return fn, ""
 
 
-def _build(cfg: GPTConfig, env: Env, graph_mode: bool):
+# mode -> (graph-mode wrap, optimizer factory)
+MODES: dict[str, tuple[bool, str]] = {
+    "eager": (False, "torch"), "eager-fused": (False, "torch-fused"), "eager-graph-mode": (True, "fused"),
+    "graph": (True, "fused"), "graph-foreach": (True, "foreach"),
+}
+
+
+def _build(cfg: GPTConfig, env: Env, mode: str):
     import fsdp_impl
 
+    graph_mode, optim = MODES[mode]
     torch.manual_seed(0)
     with torch.device(env.device):
         module = GPT(cfg).to(torch.bfloat16)
     opt: torch.optim.Optimizer
-    if graph_mode:
-        opt = fsdp_impl.optim.AdamW(module.parameters(), lr=impls.LR, capturable=True)
-    else:
+    if optim == "torch":
         opt = torch.optim.AdamW(module.parameters(), lr=impls.LR)
+    elif optim == "torch-fused":
+        opt = torch.optim.AdamW(module.parameters(), lr=impls.LR, fused=True)
+    else:
+        opt = fsdp_impl.optim.AdamW(module.parameters(), lr=impls.LR, capturable=True, fused=optim == "fused")
     policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
     return fsdp_impl.fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params",
                                  mixed_precision_policy=policy, cuda_graph_mode=graph_mode)
@@ -106,26 +122,56 @@ def _eager_step(step_fn: Callable, opt: torch.optim.Optimizer, inputs: torch.Ten
     return step
 
 
-def run_config(env: Env, name: str, capture: Callable, warmup: int, steps: int) -> list[dict]:
+def _profile(env: Env, step: Callable[[], torch.Tensor], path: Path | None) -> None:
+    """3 profiled steps after one warm-up step; rank 0 exports the chrome trace."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=0, warmup=1, active=3, repeat=1)) as prof:
+        for _ in range(4):
+            step()
+            prof.step()
+        torch.cuda.synchronize()
+    if path is not None:
+        prof.export_chrome_trace(str(path))
+
+
+def run_config(env: Env, name: str, capture: Callable, warmup: int, steps: int,
+               trace_dir: Path | None = None) -> list[dict]:
     cfg, mb = CONFIGS[name]
     inputs, target = _data(cfg, env, mb)
     rows = []
-    for mode in ("eager", "eager-graph-mode", "graph"):
-        model, opt = _build(cfg, env, graph_mode=mode != "eager")
+    for mode in MODES:
+        model, opt = _build(cfg, env, mode)
 
         def step_fn(x: torch.Tensor, y: torch.Tensor, model=model) -> torch.Tensor:
             loss = F.cross_entropy(model(x).float().view(-1, cfg.vocab), y.reshape(-1))
             loss.backward()
             return loss
 
-        step = (_replay_step(capture(model, opt, step_fn, (inputs, target), warmup=3)) if mode == "graph"
-                else _eager_step(step_fn, opt, inputs, target, set_to_none=mode == "eager"))
+        step = (_replay_step(capture(model, opt, step_fn, (inputs, target), warmup=3)) if mode.startswith("graph")
+                else _eager_step(step_fn, opt, inputs, target, set_to_none=not MODES[mode][0]))
         step_s, losses = _timed(env, step, warmup, steps)
         rows.append({"config": name, "mode": mode, "step_ms": 1e3 * step_s, "loss_first": losses[0],
                      "loss_last": losses[-1], "finite": all(math.isfinite(x) for x in losses)})
+        if trace_dir is not None:
+            _profile(env, step, trace_dir / f"graph_{name}_{mode}.json.gz" if env.rank == 0 else None)
         del model, opt, step
         runtime.free_memory(env)
     return rows
+
+
+def write_trace_report(trace_dir: Path, configs: list[str]) -> None:
+    """``graph_trace.md``: the per-step GPU table of every mode profiled, per config."""
+    from bench import trace_summary
+
+    parts = []
+    for name in configs:
+        named = {mode: trace_summary.summarise(trace_summary.load(path)) for mode in MODES
+                 if (path := trace_dir / f"graph_{name}_{mode}.json.gz").exists()}
+        if named:
+            parts.append(f"## {name}\n\n" + trace_summary.markdown(named, top_kernels=15))
+    (trace_dir / "graph_trace.md").write_text("# CUDA-graph bench profiles\n\n" + "\n".join(parts))
 
 
 def markdown(rows: list[dict], header: str) -> str:
@@ -147,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--md", type=Path, default=None)
+    p.add_argument("--trace", type=Path, default=None, help="directory for per-mode profiles and graph_trace.md")
     args = p.parse_args(argv)
     capture, why = capture_api()
     if capture is None or not torch.cuda.is_available():
@@ -161,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in args.configs:
             try:
-                rows += run_config(env, name, capture, args.warmup, args.steps)
+                rows += run_config(env, name, capture, args.warmup, args.steps, args.trace)
             except Exception as err:  # a capture failure: report it, try the next config
                 if env.rank == 0:
                     print(f"[graph] {name}: ERROR {type(err).__name__}: {err}", flush=True)
@@ -172,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             print(text, flush=True)
             if args.md is not None:
                 args.md.write_text(text)
+            if args.trace is not None:
+                write_trace_report(args.trace, args.configs)
     finally:
         runtime.shutdown()
     return 0

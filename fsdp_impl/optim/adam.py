@@ -23,7 +23,7 @@ import torch
 from torch.optim import Optimizer
 
 from fsdp_impl.decoupled import DTensor, clear_grads, grad_attr_name, local_tensor, read_grad
-from fsdp_impl.optim._adam_math import AdamHyper, AdamTensors, adam_foreach_, adam_single_
+from fsdp_impl.optim._adam_math import AdamHyper, AdamTensors, adam_foreach_, adam_fused_, adam_single_
 
 __all__ = ["Adam", "AdamW"]
 
@@ -51,11 +51,10 @@ def _check_moment_dtype(name: str, dtype: torch.dtype | None) -> None:
 
 
 def _check_flags(fused: bool | None, differentiable: bool, lr: Any, foreach: bool | None) -> None:
-    if fused:
-        raise ValueError(
-            "fused=True is not supported by fsdp_impl.optim.Adam/AdamW; use fused=None/False "
-            "(foreach=True gives multi-tensor kernels) or TransformerEngine FusedAdam"
-        )
+    if fused not in (None, True, False):
+        raise ValueError(f"fused must be None, True or False, got {fused!r}")
+    if fused and foreach:
+        raise ValueError("fused=True and foreach=True cannot be given together; pick one")
     if differentiable:
         raise ValueError("differentiable=True is not supported by fsdp_impl.optim.Adam/AdamW")
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
@@ -67,8 +66,11 @@ def _check_flags(fused: bool | None, differentiable: bool, lr: Any, foreach: boo
 class Adam(Optimizer):
     """Adam with decoupled-gradient support and optional low-precision moments.
 
-    ``torch.optim.Adam`` arguments keep their meaning; ``fused`` and ``differentiable`` are
-    rejected. ``foreach=None`` picks multi-tensor kernels where torch would.
+    ``torch.optim.Adam`` arguments keep their meaning; ``differentiable`` is rejected.
+    ``foreach=None`` picks multi-tensor kernels where torch would (also with ``capturable=True``).
+    ``fused=True`` runs torch's fused Adam(W) kernel (one pass over param, grad and moments,
+    capturable); it needs each parameter's grad and moments in the parameter's dtype, so it is
+    refused with narrower ``exp_avg_dtype``/``exp_avg_sq_dtype``.
     """
 
     def __init__(
@@ -113,7 +115,7 @@ class Adam(Optimizer):
             "foreach": foreach,
             "capturable": bool(capturable),
             "differentiable": False,
-            "fused": None,
+            "fused": bool(fused) if fused is not None else None,
             "decoupled_weight_decay": bool(decoupled_weight_decay),
         }
         # Instance-level, not per group: param_groups (and so state_dict) keep torch's keys.
@@ -121,6 +123,19 @@ class Adam(Optimizer):
         self._exp_avg_dtype = exp_avg_dtype
         self._exp_avg_sq_dtype = exp_avg_sq_dtype
         super().__init__(params, defaults)
+        if fused:
+            self._check_fused_moment_dtypes()
+
+    def _check_fused_moment_dtypes(self) -> None:
+        """fused=True: moments must be stored in each parameter's own dtype (early, named error)."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                for key in _MOMENT_KEYS[:2]:
+                    if self._moment_dtype(key, param) != param.dtype:
+                        raise ValueError(
+                            f"fused=True needs the moments in the parameter's dtype, but {key}_dtype="
+                            f"{self._moment_dtype(key, param)} and a parameter is {param.dtype}; pass "
+                            "fused=False (the foreach path upcasts narrow moments) or drop the moment dtype")
 
     @property
     def use_decoupled_grad(self) -> bool:
@@ -152,10 +167,10 @@ class Adam(Optimizer):
         """Lazy state like torch's, with moments in the configured dtypes."""
         state = self.state[param]
         if len(state) == 0:
-            # Like torch: the step lives on the host unless capturable (then on the device).
+            # Like torch: the step lives on the host unless capturable or fused (then on the device).
             state["step"] = (
                 torch.zeros((), dtype=torch.float32, device=local_tensor(param).device)
-                if group["capturable"]
+                if group["capturable"] or group["fused"]
                 else torch.tensor(0.0, dtype=torch.float32)
             )
             keys = _MOMENT_KEYS if group["amsgrad"] else _MOMENT_KEYS[:2]
@@ -205,7 +220,9 @@ class Adam(Optimizer):
             if not batch:
                 continue
             hp = _hyper(group)
-            if _use_foreach(group, batch):
+            if group["fused"]:
+                adam_fused_(batch, hp)
+            elif _use_foreach(group, batch):
                 adam_foreach_(batch, hp)
             else:
                 for tensors in batch:
@@ -310,9 +327,8 @@ def _hyper(group: dict[str, Any]) -> AdamHyper:
 
 
 def _use_foreach(group: dict[str, Any], batch: list[AdamTensors]) -> bool:
-    """Explicit ``foreach`` wins; None defers to torch's own default for these local tensors."""
-    if group["capturable"]:
-        return False  # the single-tensor path is the graph-safe one
+    """Explicit ``foreach`` wins; None defers to torch's own default for these local tensors
+    (multi-tensor kernels on CUDA, the single-tensor loop on CPU)."""
     if group["foreach"] is not None:
         return bool(group["foreach"])
     try:

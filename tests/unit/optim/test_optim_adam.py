@@ -104,6 +104,56 @@ def test_capturable_matches_torch(ours_cls: type, torch_cls: type) -> None:
     assert step.device == ours_p[0].device and step.dtype == torch.float32
 
 
+FUSED_CONFIGS: list[dict[str, Any]] = [
+    {},
+    {"weight_decay": 0.1, "amsgrad": True},
+    {"maximize": True, "betas": (0.8, 0.99), "eps": 1e-6},
+    {"lr": torch.tensor(3e-3)},
+]
+
+
+@pytest.mark.parametrize("config", FUSED_CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize("ours_cls,torch_cls", PAIRS, ids=["Adam", "AdamW"])
+def test_fused_matches_torch_fused_bitwise(ours_cls: type, torch_cls: type, config: dict[str, Any]) -> None:
+    """fused=True calls the same fused kernel as torch's fused=True, so the results are equal bit
+    for bit (CPU has that kernel too); the step counter lives on the param's device."""
+    ours_p, ref_p = _make_params(), _make_params()
+    ours = ours_cls(ours_p, **{"lr": LR, **config}, fused=True)
+    ref = torch_cls(ref_p, **{"lr": LR, **config}, fused=True)
+    _run(ours, ours_p, STEPS)
+    _run(ref, ref_p, STEPS)
+    for i, (a, b, start) in enumerate(zip(ours_p, ref_p, _make_params(), strict=True)):
+        assert torch.equal(a.detach(), b.detach()), f"param {i} differs from torch's fused step"
+        if a.numel():
+            assert not torch.equal(a.detach(), start.detach()), f"param {i} did not move"
+    step = ours.state[ours_p[0]]["step"]
+    assert step.device == ours_p[0].device and step.item() == STEPS
+
+
+def test_fused_refuses_grads_in_another_dtype() -> None:
+    """The fused kernel updates in one dtype: a bf16 decoupled grad on an fp32 param is named."""
+    params = _make_params()
+    opt = AdamW(params, lr=LR, fused=True, use_decoupled_grad=True)
+    for p in params:
+        p.decoupled_grad = torch.ones(p.shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"fused=True cannot update this parameter: grad is torch.bfloat16"):
+        opt.step()
+
+
+@pytest.mark.parametrize("ours_cls,torch_cls", PAIRS, ids=["Adam", "AdamW"])
+def test_capturable_foreach_matches_torch(ours_cls: type, torch_cls: type) -> None:
+    """capturable=True with foreach=True: the multi-tensor capturable formula (torch's, which
+    reorders the divisions), fp32-rounding-close to torch's non-capturable reference. On CUDA the
+    bit-for-bit comparison with torch's own capturable foreach step is in test_optim_capturable."""
+    ours_p, ref_p = _make_params(), _make_params()
+    ours = ours_cls(ours_p, lr=torch.tensor(LR), capturable=True, foreach=True, weight_decay=0.1, amsgrad=True)
+    ref = torch_cls(ref_p, lr=LR, foreach=True, weight_decay=0.1, amsgrad=True)
+    _run(ours, ours_p, STEPS)
+    _run(ref, ref_p, STEPS)
+    _assert_params_close(ours_p, ref_p, rtol=1e-6, atol=1e-6)
+    assert ours.state[ours_p[0]]["step"].item() == STEPS
+
+
 @pytest.mark.parametrize("foreach", [False, True])
 def test_bf16_moments_close_to_fp32(foreach: bool) -> None:
     """bf16 moments with fp32 math stay within a bounded distance of the fp32 reference.
@@ -195,7 +245,9 @@ def test_flag_is_a_read_only_property() -> None:
         ({"betas": (0.9, -0.1)}, r"betas\[1\]"),
         ({"betas": (0.9,)}, "betas"),
         ({"weight_decay": -0.1}, "weight_decay"),
-        ({"fused": True}, "fused"),
+        ({"fused": "yes"}, "fused"),
+        ({"fused": True, "foreach": True}, "fused=True and foreach=True"),
+        ({"fused": True, "exp_avg_dtype": torch.bfloat16}, "fused=True needs the moments"),
         ({"differentiable": True}, "differentiable"),
         ({"use_decoupled_grad": "yes"}, "use_decoupled_grad"),
         ({"exp_avg_dtype": torch.int32}, "exp_avg_dtype"),

@@ -78,13 +78,15 @@ def test_capturable_trains_like_non_capturable(cls: type, config: dict[str, Any]
     assert isinstance(step, torch.Tensor) and step.device == capt_p[0].device and step.item() == STEPS
 
 
+@pytest.mark.parametrize("foreach", [False, True], ids=["single", "foreach"])
 @pytest.mark.parametrize("config", CONFIGS, ids=_ids)
-def test_capturable_step_reads_nothing_back(config: dict[str, Any]) -> None:
-    """The whole capturable step (state creation included) works without a host read; the same
-    guard catches the non-capturable step, so the guard itself works."""
+def test_capturable_step_reads_nothing_back(config: dict[str, Any], foreach: bool) -> None:
+    """The whole capturable step (state creation included) works without a host read, on the
+    per-parameter and the multi-tensor path; the same guard catches the non-capturable step, so
+    the guard itself works."""
     attr = "decoupled_grad" if config.get("use_decoupled_grad") else "grad"
     params, other_params = _params(), _params()
-    opt = AdamW(params, capturable=True, **{"lr": 1e-2, **config})
+    opt = AdamW(params, capturable=True, foreach=foreach, **{"lr": 1e-2, **config})
     other = AdamW(other_params, **{"lr": 1e-2, **config})
     with no_host_reads():
         _train(opt, params, attr, steps=3)
@@ -110,3 +112,23 @@ def test_capturable_dtensor_params(one_rank_mesh: Any) -> None:
     for p, q in zip(full, sharded_p, strict=True):
         assert torch.equal(p.detach(), q.full_tensor().detach())
     assert sharded.state[sharded_p[0]]["step"].item() == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch capturable foreach Adam)")
+@pytest.mark.parametrize("cls,ref_cls", [(Adam, torch.optim.Adam), (AdamW, torch.optim.AdamW)], ids=["Adam", "AdamW"])
+def test_capturable_foreach_equals_torch_on_cuda(cls: type, ref_cls: type) -> None:
+    """On CUDA, capturable=True defaults to the multi-tensor path, which is torch's capturable
+    foreach step op for op: bit-identical parameters."""
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+    ref_params = [torch.nn.Parameter(p.detach().cuda()) for p in _params()]
+    opt = cls(params, lr=1e-2, weight_decay=0.1, amsgrad=True, capturable=True)
+    ref = ref_cls(ref_params, lr=1e-2, weight_decay=0.1, amsgrad=True, capturable=True, foreach=True)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 + step)
+        for p, q in zip(params, ref_params, strict=True):
+            g = torch.randn(p.shape, generator=gen).cuda()
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for i, (p, q) in enumerate(zip(params, ref_params, strict=True)):
+        assert torch.equal(p.detach(), q.detach()), f"param {i} differs from torch's capturable foreach step"
