@@ -20,6 +20,8 @@ class DataParallelBuffer:
         self.layout = layout
         self.rank = rank
         self.data = torch.zeros(layout.segment_numel, dtype=dtype, device=device)
+        # Set by ``zero(token)``: (token, data's version right after zeroing); see take_zeroed.
+        self._zeroed: tuple[object | None, int] | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -37,6 +39,24 @@ class DataParallelBuffer:
         """Re-allocate a freed buffer, zero-filled."""
         if self.allocate_for_overwrite():
             self.data.zero_()
+
+    def zero(self, token: object | None) -> None:
+        """Fill with zeros (``zero_grad(set_to_none=False)``) and remember it for ``take_zeroed``."""
+        self.data.zero_()
+        self._zeroed = (token, self.data._version)
+
+    def take_zeroed(self, token: object | None) -> bool:
+        """True when ``data`` still holds the zeros of the last ``zero`` (no in-place write since,
+        through ``data`` or any view of it: they share its version counter) and that ``zero``
+        was made under the same ``token``, so the caller may overwrite instead of adding (adding
+        to zeros gives the same values). Forgets the mark either way.
+
+        The token says in which CUDA-graph capture the zeroing was recorded (None: eagerly).
+        A graph that overwrites must also contain the zeroing, or a replay without it would
+        overwrite grads it should accumulate; a zero made eagerly before a capture does not
+        count inside that capture."""
+        mark, self._zeroed = self._zeroed, None
+        return mark is not None and mark[0] is token and mark[1] == self.data._version
 
     def allocate_for_overwrite(self) -> bool:
         """Re-allocate a freed buffer without filling it. True when it was freed: it then holds

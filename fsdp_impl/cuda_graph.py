@@ -117,11 +117,16 @@ def capture_train_step(model: FullyShardedModule, optimizer: torch.optim.Optimiz
     _barrier(device)
     graph = torch.cuda.CUDAGraph()
     capture_stream = torch.cuda.Stream(device)
-    with torch.cuda.graph(graph, pool=pool, stream=capture_stream, capture_error_mode="thread_local"):
-        optimizer.zero_grad(set_to_none=False)
-        static_loss = _loss_of(step_fn(*inputs))
-        if include_optimizer_step:
-            optimizer.step()
+    ctx = model._fsdp_engine.ctx
+    ctx.capture_token = graph  # the zero_grad below is in this graph: its backward may overwrite
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=capture_stream, capture_error_mode="thread_local"):
+            optimizer.zero_grad(set_to_none=False)
+            static_loss = _loss_of(step_fn(*inputs))
+            if include_optimizer_step:
+                optimizer.step()
+    finally:
+        ctx.capture_token = None
     torch.cuda.synchronize(device)
     _barrier(device)
     return CapturedTrainStep(graph, inputs, static_loss, warmup, include_optimizer_step)

@@ -32,6 +32,11 @@ def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
         torch.set_rng_state(state)
 
 
+def is_capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def default_device_type() -> str:
     """Device type for a mesh built by us (``device_mesh=None``): CUDA only when the default
     process group can move CUDA tensors (NCCL), so gloo on a GPU node still runs on CPU."""

@@ -189,13 +189,17 @@ class FSDPEngine:
         return [n for n, f in zip(names, flags.tolist(), strict=True) if f]
 
     def zero_grad_buffers(self, free: bool = False) -> None:
+        self.check_zero_grad(free)
+        for unit in self.units:
+            unit.zero_grad_buffers(free)
+
+    def check_zero_grad(self, free: bool) -> None:
+        """Refuse ``zero_grad(set_to_none=True)`` in graph mode (before anything is reset)."""
         if free and self.ctx.graph_mode:
             raise ValueError(
                 "zero_grad(set_to_none=True) is not allowed with cuda_graph_mode=True: it would drop the "
                 ".grad views of the gradient buffer that a captured graph writes into, so replays would "
                 "silently stop delivering gradients to the optimizer; call zero_grad(set_to_none=False)")
-        for unit in self.units:
-            unit.zero_grad_buffers(free)
 
 
 class _PreBackward:

@@ -104,11 +104,14 @@ class ShardGroupReduce:
         self.device = device
         self.scaling = scaling
 
-    def reduce(self, full: torch.Tensor, grad: DataParallelBuffer, sync: bool) -> torch.cuda.Event | None:
+    def reduce(self, full: torch.Tensor, grad: DataParallelBuffer, sync: bool,
+               overwrite: bool = False) -> torch.cuda.Event | None:
         """Reduce ``full`` (every backward; ``sync`` does not matter for one level). Into a grad
-        buffer that ``zero_grad(set_to_none=True)`` freed, the result is written directly
-        (same values as adding it to zeros) instead of through a temporary."""
-        fresh = grad.allocate_for_overwrite()
+        buffer that ``zero_grad(set_to_none=True)`` freed, or that holds nothing but the zeros of
+        ``zero_grad(set_to_none=False)`` (``overwrite``, see ``DataParallelBuffer.take_zeroed``),
+        the result is written directly (same values as adding it to zeros) instead of through a
+        temporary and an add."""
+        fresh = grad.allocate_for_overwrite() or overwrite
         with self.stream.use():
             self.scaling.prepare(full)
             if self.all_reduce:
@@ -151,7 +154,9 @@ class TwoLevelReduceScatter:
         self.scaling = scaling
         self._inner_accum: torch.Tensor | None = None  # inner-reduced, not yet synced grads
 
-    def reduce(self, full: torch.Tensor, grad: DataParallelBuffer, sync: bool) -> torch.cuda.Event | None:
+    def reduce(self, full: torch.Tensor, grad: DataParallelBuffer, sync: bool,
+               overwrite: bool = False) -> torch.cuda.Event | None:
+        """``overwrite`` is ignored: the synced result is always added (to zeros or not)."""
         seg = grad.layout.segment_numel
         n_in, n_out = dist.get_world_size(self.groups.inner), dist.get_world_size(self.groups.outer)
         op = self.scaling.op

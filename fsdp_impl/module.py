@@ -67,9 +67,11 @@ class FullyShardedModule(nn.Module):
         self._fsdp_engine.zero_grad_buffers()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._fsdp_engine.zero_grad_buffers(free=set_to_none)
+        self._fsdp_engine.check_zero_grad(free=set_to_none)
         super().zero_grad(set_to_none=set_to_none)
         clear_grads(self.parameters(), self._fsdp_engine.use_decoupled_grad, set_to_none)
+        # The buffers last, so the next backward may overwrite them (see optimizer_binding).
+        self._fsdp_engine.zero_grad_buffers(free=set_to_none)
 
     def __getattr__(self, name: str) -> Any:
         try:

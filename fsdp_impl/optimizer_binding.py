@@ -47,10 +47,14 @@ class _FSDPOptimizerMixin(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for engine in self._fsdp_engines:
-            engine.zero_grad_buffers(free=set_to_none)
+            engine.check_zero_grad(free=set_to_none)
         super().zero_grad(set_to_none=set_to_none)
         params = (p for g in self.param_groups for p in g["params"])
         clear_grads(params, any(e.use_decoupled_grad for e in self._fsdp_engines), set_to_none)
+        # The buffers last: their zeroing is then the latest write, so the next backward may
+        # overwrite them instead of adding (DataParallelBuffer.take_zeroed checks exactly that).
+        for engine in self._fsdp_engines:
+            engine.zero_grad_buffers(free=set_to_none)
 
 
 def attach_engines(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine]) -> torch.optim.Optimizer:

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import comm
 from .buffers import DataParallelBuffer, ParameterGroup
 from .decoupled import grad_attr_name, local_tensor
-from .device import CommStreams
+from .device import CommStreams, is_capturing
 from .grad_reduce import GradScaling, TwoLevelGroups, UnitGradReduce, unit_grad_reduce
 from .grad_staging import GradStaging
 from .param import ManagedParam
@@ -75,6 +75,8 @@ class UnitContext:
     prefetch: bool = True
     # CUDA-graph mode: persistent engine buffers, every step takes the same host-side path.
     graph_mode: bool = False
+    # Set by fsdp_impl.cuda_graph.capture_train_step while it captures (see FSDPUnit._capture_token).
+    capture_token: object | None = None
     # How ZeRO-3 compute params are stored while unsharded (resolved: never AUTO).
     unshard: UnshardStorage = field(default_factory=lambda: UnshardStorage().resolve(False))
     # FP8 params: builds a unit's FP8 side once it has sharded (fp8_params.unit_fp8); None: no FP8
@@ -318,7 +320,16 @@ class FSDPUnit:
             full = self._staging().take_accumulated(comm_dtype)
         else:
             return
-        self.reduce_event = self.reducer.reduce(full, self.grad, sync)
+        overwrite = self.grad.take_zeroed(self._capture_token())
+        self.reduce_event = self.reducer.reduce(full, self.grad, sync, overwrite)
+
+    def _capture_token(self) -> object | None:
+        """Which zeroing a reduction may rely on (``DataParallelBuffer.take_zeroed``): None
+        eagerly; inside ``capture_train_step``'s capture its token; inside any other capture a
+        new object, which matches nothing (that graph always adds)."""
+        if not is_capturing(self.ctx.device):
+            return None
+        return self.ctx.capture_token if self.ctx.capture_token is not None else object()
 
     def end_backward(self) -> None:
         """Reset the per-backward counters; the compute stream waits for this unit's reduction."""
@@ -369,7 +380,7 @@ class FSDPUnit:
             if free:
                 self.grad.free()
             elif self.grad.is_allocated:
-                self.grad.data.zero_()
+                self.grad.zero(self._capture_token())
         if self.staging is not None:
             self.staging.clear()
         self.reducer.clear()

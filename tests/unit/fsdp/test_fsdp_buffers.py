@@ -40,3 +40,23 @@ def test_comm_stream_is_a_no_op_on_cpu() -> None:
     stream.wait(None)
     stream.keep_alive(x)
     stream.used_by_current(x)
+
+
+def test_take_zeroed_only_after_an_untouched_zero_of_the_same_capture() -> None:
+    """The overwrite licence: granted once per zero(), lost by any in-place write (also through
+    a view) and never granted across capture tokens (an eager zero does not count in a capture)."""
+    buf = DataParallelBuffer(FlatLayout([(4,)], 1), rank=0, dtype=torch.float32, device=torch.device("cpu"))
+    assert not buf.take_zeroed(None), "never zeroed"
+    buf.zero(None)
+    assert buf.take_zeroed(None)
+    assert not buf.take_zeroed(None), "the licence is used up"
+    buf.zero(None)
+    buf.local_view(0).add_(1.0)  # a user writes into .grad after zero_grad
+    assert not buf.take_zeroed(None)
+    graph = object()
+    buf.zero(None)
+    assert not buf.take_zeroed(graph), "an eager zero must not let a captured backward overwrite"
+    buf.zero(graph)
+    assert not buf.take_zeroed(object())
+    buf.zero(graph)
+    assert buf.take_zeroed(graph)

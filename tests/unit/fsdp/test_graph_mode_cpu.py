@@ -89,6 +89,43 @@ def test_graph_mode_trains_like_normal_mode(case: GraphCase, dist_env) -> None:
     assert_params_equal(full_params(graph), full_params(normal), "graph mode vs normal mode")
 
 
+@pytest.mark.parametrize("graph_mode", [False, True], ids=["normal", "graph"])
+def test_zeroed_grad_buffers_are_overwritten_and_user_writes_kept(graph_mode: bool, monkeypatch, dist_env) -> None:
+    """After zero_grad(set_to_none=False) the first backward writes the reduced grads into the
+    buffer instead of adding them to zeros (one pass fewer); a write into ``.grad`` between
+    zero_grad and the backward takes that licence away, so it is still added to."""
+    from fsdp_impl.buffers import DataParallelBuffer
+
+    granted: list[bool] = []
+    original = DataParallelBuffer.take_zeroed
+
+    def spy(self: DataParallelBuffer, token: object | None) -> bool:
+        granted.append(original(self, token))
+        return granted[-1]
+
+    monkeypatch.setattr(DataParallelBuffer, "take_zeroed", spy)
+    case = GraphCase(3)
+    make = graph_wrap if graph_mode else (lambda c: wrap(c, CPU, graph_mode=False))
+    model, opt = make(case)
+    ref, ref_opt = make(case)
+    step_fn, ref_fn = make_step_fn(model), make_step_fn(ref)
+    for fn, o in ((step_fn, opt), (ref_fn, ref_opt)):  # one step first: .grad exists from then on
+        fn(*batch(0, CPU, torch.float32))
+        o.step()
+        o.zero_grad(set_to_none=False)
+    granted.clear()
+    ref_fn(*batch(1, CPU, torch.float32))
+    assert granted and all(granted), f"a zeroed buffer was added to instead of overwritten: {granted}"
+    granted.clear()
+    for p in model.module.parameters():
+        local_tensor(p.grad).add_(1.0)  # e.g. a regulariser's grad, added by hand
+    step_fn(*batch(1, CPU, torch.float32))
+    assert granted and not any(granted), "a buffer written after zero_grad was overwritten"
+    want, got = local_grads(ref), local_grads(model)
+    for name, g in got.items():
+        assert torch.equal(g, want[name] + 1.0), f"{name}: the hand-written grad was lost"
+
+
 @pytest.mark.parametrize("outer,graph_mode", [(None, False), ("no_shard", True)])
 def test_pool_trains_like_own_storage(outer: str | None, graph_mode: bool, dist_env) -> None:
     """ZeRO-3 with the 2-slot pool (graph mode or not) trains like per-unit storage."""
