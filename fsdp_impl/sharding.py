@@ -109,35 +109,61 @@ class FlatLayout:
         ``num_shards`` and concatenates the chunks of each shard, exactly this layout (one kernel
         on CUDA, the cast included). Its CUDA kernel uploads its metadata from a temporary pinned
         host buffer, which a captured CUDA graph would read again at replay after it was freed,
-        so CUDA-graph mode passes ``fused=False``: one padded copy per slot. Empty params occupy
-        no space and are left out (``_chunk_cat`` refuses empty tensors)."""
-        filled = [(i, f) for i, (f, slot) in enumerate(zip(fulls, self.slots, strict=True)) if slot.padded_numel]
+        so CUDA-graph mode passes ``fused=False``: multi-tensor ``_foreach_copy_`` /
+        ``_foreach_zero_`` over the (param, shard) pieces (``pieces``), whose addresses travel
+        as kernel arguments. Empty params occupy no space and are left out (``_chunk_cat``
+        refuses empty tensors)."""
+        segments = out.view(self.num_shards, self.segment_numel)
         if not fused:
-            for i, full in filled:
-                self.pack_full(out, i, full)
-        elif filled:
-            torch._chunk_cat([f for _, f in filled], dim=0, num_chunks=self.num_shards,
-                             out=out.view(self.num_shards, self.segment_numel))
+            flats = [f.reshape(-1) for f in fulls]
+            dsts, srcs, pads = [], [], []
+            for i, row, col, start, length in self.pieces:
+                padded = self.slots[i].padded_numel
+                if length:
+                    dsts.append(segments[row].narrow(0, col, length))
+                    srcs.append(flats[i].narrow(0, start, length))
+                if length < padded:
+                    pads.append(segments[row].narrow(0, col + length, padded - length))
+            _copy_lists(dsts, srcs)
+            if pads:
+                torch._foreach_zero_(pads)
+            return
+        filled = [f for f, slot in zip(fulls, self.slots, strict=True) if slot.padded_numel]
+        if filled:
+            torch._chunk_cat(filled, dim=0, num_chunks=self.num_shards, out=segments)
+
+    @functools.cached_property
+    def pieces(self) -> list[tuple[int, int, int, int, int]]:
+        """``(slot, shard, column, start, length)`` per parameter and shard: the shard's part of
+        the parameter is its flat elements ``[start, start + length)``, stored at ``column`` of
+        that shard's segment row and followed by ``padded_numel - length`` padding elements."""
+        out = []
+        for i, slot in enumerate(self.slots):
+            numel = slot.padded_numel and slot.rows * slot.row_numel
+            for row in range(self.num_shards):
+                start = row * slot.padded_numel
+                out.append((i, row, slot.offset, start, max(0, min(slot.padded_numel, numel - start))))
+        return out
 
     def unpack_all(self, src: torch.Tensor, fulls: Sequence[torch.Tensor], fused: bool = True) -> None:
         """Copy every parameter out of a gathered buffer ``src`` ([num_shards, segment]).
 
         ``fused``: one ``split_with_sizes_copy`` (one kernel on CUDA; a parameter whose rows do
         not split evenly has no [num_shards, padded] view, so it lands in a temporary first).
-        ``fused=False`` (CUDA-graph mode, see ``pack_all``): one copy per parameter."""
+        ``fused=False`` (CUDA-graph mode, see ``pack_all``): ``_foreach_copy_`` over the pieces."""
         n = self.num_shards
         segments = src.view(n, self.segment_numel)
+        if not fused:
+            views = [f.view(-1) for f in fulls]  # compute params are contiguous
+            pieces = [(i, row, col, start, length) for i, row, col, start, length in self.pieces if length]
+            _copy_lists([views[i].narrow(0, start, length) for i, _, _, start, length in pieces],
+                        [segments[row].narrow(0, col, length) for _, row, col, _, length in pieces])
+            return
         outs: list[torch.Tensor] = []
         uneven: list[tuple[torch.Tensor, torch.Tensor]] = []
         for slot, full in zip(self.slots, fulls, strict=True):
             even = slot.padded_numel * n == full.numel()
-            if not fused:
-                part = segments.narrow(1, slot.offset, slot.padded_numel)
-                if even:
-                    full.view(n, slot.padded_numel).copy_(part)
-                else:
-                    full.view(-1).copy_(part.reshape(-1)[: full.numel()])
-            elif even and full.is_contiguous():
+            if even and full.is_contiguous():
                 outs.append(full.view(n, slot.padded_numel))
             else:
                 tmp = torch.empty(n, slot.padded_numel, dtype=src.dtype, device=src.device)
@@ -147,3 +173,14 @@ class FlatLayout:
             torch.split_with_sizes_copy(segments, self.split_sizes, dim=1, out=outs)
         for tmp, full in uneven:
             full.view(-1).copy_(tmp.view(-1)[: full.numel()])
+
+
+def _copy_lists(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for every pair, as one ``_foreach_copy_`` per (dst, src) dtype pair."""
+    groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dsts, srcs, strict=True):
+        pair = groups.setdefault((d.dtype, s.dtype), ([], []))
+        pair[0].append(d)
+        pair[1].append(s)
+    for d_list, s_list in groups.values():
+        torch._foreach_copy_(d_list, s_list)
