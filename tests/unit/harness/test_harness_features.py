@@ -36,25 +36,29 @@ def test_skip_xfail_and_disagreement(features_run: SampleRun):
 ])
 def test_requirement_skips_name_what_is_missing(features_run: SampleRun, name, reason):
     case = features_run.cases[name]
-    if _requirement_met_here(name):  # a GPU node: the requirement holds, so the test must run and pass
+    missing = _missing_here(name, reason)
+    if missing is None:  # a GPU node: the requirement holds, so the test must run and pass
         assert case.outcome == "passed", case.text[:1500]
         return
-    assert case.outcome == "skipped" and reason in case.message, case.message
+    assert case.outcome == "skipped" and missing in case.message, case.message
 
 
-def _requirement_met_here(name: str) -> bool:
-    """Whether this machine satisfies the sample's requirement (2 ranks, one GPU each)."""
+def _missing_here(name: str, reason: str) -> str | None:
+    """What this machine lacks for the sample (2 ranks, one GPU each), as the skip reason says
+    it, or None when nothing is missing. A one-GPU node lacks the second GPU first."""
     import importlib.util
 
     import torch
 
     if name == "test_needs_te":
-        return importlib.util.find_spec("transformer_engine") is not None
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        return False
-    if name == "test_needs_hopper":
-        return min(torch.cuda.get_device_capability(i) for i in range(2)) >= (9, 0)
-    return True
+        return None if importlib.util.find_spec("transformer_engine") is not None else reason
+    if not torch.cuda.is_available():
+        return reason
+    if torch.cuda.device_count() < 2:
+        return "2 GPUs, one per rank"
+    if name == "test_needs_hopper" and min(torch.cuda.get_device_capability(i) for i in range(2)) < (9, 0):
+        return reason
+    return None
 
 
 def test_forked_crash_reported_by_pytest_forked(features_run: SampleRun):
