@@ -40,6 +40,26 @@ def check_no_multicast() -> None:
         raise SystemExit(f"NVLink multicast must stay off: export {want} (found {wrong})")
 
 
+def load_te_first() -> bool:
+    """Import TransformerEngine, where installed, before anything uses cuDNN.
+
+    TE brings its own cuDNN (the H200 kit's is 9.14); a process that first ran SDPA on the
+    system cuDNN and imports TE later mixes the two libraries and fails with ``libcudnn_cnn.so.9:
+    undefined symbol`` (seen for the FP8 cells and megatron-fsdp, which imports TE). Importing TE
+    first makes every later cuDNN user resolve to TE's. Returns whether TE was imported."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as err:  # a broken TE must not stop the non-TE cells; the TE cells report it
+        print(f"[bench] transformer_engine is installed but does not import: {type(err).__name__}: {err}",
+              flush=True)
+        return False
+    return True
+
+
 def init(device: str, timeout_s: int = 180) -> Env:
     """Initialise the default process group (a 1-rank group when not under torchrun).
 
@@ -54,6 +74,7 @@ def init(device: str, timeout_s: int = 180) -> Env:
         check_no_multicast()
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda asked for, but torch sees no CUDA GPU")
+        load_te_first()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     os.environ.setdefault("RANK", "0")
