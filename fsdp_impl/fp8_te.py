@@ -8,8 +8,8 @@ scaling, ``MXFP8Tensor`` for MXFP8) with the bf16 init values on the side when
 from those init values), and each such tensor stays the module's compute parameter: its byte
 planes (``_data``, or ``_rowwise_data`` [+ ``_columnwise_data`` for MXFP8], each ``(rows,
 cols)`` uint8) are the storage the unit's FP8 gather fills and frees. Scales are written on every
-rank by TE's own ``quantize_master_weights`` (partial amaxes, one MAX all-reduce over the shard
-group, local casts into this rank's byte rows), so they never travel in the gather.
+rank by the sharded quantisation (partial amaxes, one MAX all-reduce over the shard group, local
+casts into this rank's byte rows: ``quantize_te``), so they never travel in the gather.
 """
 from __future__ import annotations
 
@@ -158,15 +158,69 @@ def _invalidate_transpose(tensor: Any) -> None:
 
 
 def quantize_te(items: list[Any], group: torch.distributed.ProcessGroup) -> None:
-    """Sharded quantisation of TE weights with TE's ``quantize_master_weights``: every rank casts
-    its main rows (as the compute dtype, as TE does) into its byte rows after one MAX all-reduce
-    of the partial amaxes per recipe; empty shards still join the reduction."""
-    from transformer_engine.pytorch.tensor.utils import quantize_master_weights
+    """Sharded quantisation of TE weights: every rank casts its main rows (as the compute dtype,
+    as TE does) into its byte rows after one MAX all-reduce of the partial amaxes per recipe;
+    empty shards still join the reduction. Current-scaling weights take ``_quantize_current``
+    (TE's amax and scale kernels, torch's cast); the other recipes TE's ``quantize_master_weights``."""
     for item in items:
         item.param.attach()
+    current = [item for item in items if _is_current_scaling(item.param.tensor)]
+    others = [item for item in items if not _is_current_scaling(item.param.tensor)]
+    if current:
+        _quantize_current(current, group)
+    if not others:
+        return
+    from transformer_engine.pytorch.tensor.utils import quantize_master_weights
     shards = [item.out[0].reshape(-1) if len(item.out) == 1 else tuple(o.reshape(-1) for o in item.out)
-              for item in items]
-    quantize_master_weights([item.param.tensor for item in items],
-                            [item.shard.reshape(-1) if item.shard.numel() else None for item in items],
-                            [item.row_start * item.param.shape[1] for item in items], group,
+              for item in others]
+    quantize_master_weights([item.param.tensor for item in others],
+                            [item.shard.reshape(-1) if item.shard.numel() else None for item in others],
+                            [item.row_start * item.param.shape[1] for item in others], group,
                             fsdp_shard_model_weights=shards, manual_post_all_gather_processing=True)
+
+
+def _is_current_scaling(tensor: Any) -> bool:
+    """A plain ``Float8Tensor`` whose quantizer is ``Float8CurrentScalingQuantizer``."""
+    quantizer = getattr(tensor, "_get_quantizer", lambda: None)()
+    return type(tensor).__name__ == "Float8Tensor" and type(quantizer).__name__ == "Float8CurrentScalingQuantizer"
+
+
+def _quantize_current(items: list[Any], group: torch.distributed.ProcessGroup) -> None:
+    """TE's current-scaling master-weight cast step for step (``compute_amax`` per shard, one MAX
+    all-reduce, ``multi_tensor_compute_scale_and_scale_inv`` into each weight's ``_scale_inv``),
+    except the final cast, done by torch as ``fp8(clamp(float(x) * scale, -max, max))``: the same
+    bytes as TE's saturating round-to-nearest cast, but TE 2.20's ``update_quantized`` ran at
+    ~50 GB/s on the H200 (1.2-1.7 ms per 16.8M-element weight, 85 ms of a 236 ms step of the
+    1.3B bench GPT) where torch's takes ~0.1 ms. The tests compare the gathered bytes with TE's
+    own full-tensor quantisation."""
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.optimizers.multi_tensor_apply import multi_tensor_applier
+
+    weights = [item.param.tensor for item in items]
+    quantizers = [w._get_quantizer() for w in weights]
+    first = quantizers[0]
+    for q in quantizers:
+        if (q.dtype, q.force_pow_2_scales, q.amax_epsilon) != (first.dtype, first.force_pow_2_scales,
+                                                               first.amax_epsilon):
+            raise ValueError("FP8 current-scaling weights of one model must share fp8 dtype, "
+                             "force_pow_2_scales and amax_epsilon (one recipe)")
+    fp8_dtype, max_fp8 = {tex.DType.kFloat8E4M3: (torch.float8_e4m3fn, 448.0),
+                          tex.DType.kFloat8E5M2: (torch.float8_e5m2, 57344.0)}[first.dtype]
+    device = items[0].shard.device
+    masters = [item.shard.reshape(-1).to(w.dtype) if item.shard.numel() else None
+               for item, w in zip(items, weights, strict=True)]
+    packed = torch.zeros(len(items), dtype=torch.float32, device=device)
+    amaxes = [packed[i:i + 1] for i in range(len(items))]
+    for master, amax in zip(masters, amaxes, strict=True):
+        if master is not None:
+            tex.compute_amax(master, amax)
+    torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=group)
+    scales = [torch.empty(1, dtype=torch.float32, device=device) for _ in items]
+    multi_tensor_applier(tex.multi_tensor_compute_scale_and_scale_inv,
+                         torch.zeros(1, dtype=torch.int, device=device),
+                         [amaxes, scales, [w._scale_inv.view(1) for w in weights]],
+                         max_fp8, first.force_pow_2_scales, first.amax_epsilon)
+    for item, master, scale in zip(items, masters, scales, strict=True):
+        if master is not None:
+            out = item.out[0].view(-1).view(fp8_dtype)  # this rank's byte rows, written in place
+            out.copy_((master.float() * scale).clamp_(-max_fp8, max_fp8))

@@ -1,0 +1,37 @@
+"""Probe: time TE's per-weight pieces of quantize_master_weights against torch ops (one H200)."""
+import torch
+import transformer_engine.pytorch as te
+import transformer_engine_torch as tex
+from transformer_engine.common.recipe import Float8CurrentScaling
+from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+
+def timed(name, fn, n=20):
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    print(f"{name}: {a.elapsed_time(b) / n:.3f} ms", flush=True)
+
+
+with te.quantized_model_init(recipe=Float8CurrentScaling()):
+    lin = te.Linear(2048, 8192, params_dtype=torch.bfloat16, device="cuda")
+w = lin.weight
+print(type(w).__name__, w.shape, flush=True)
+master = torch.randn(8192 * 2048, device="cuda", dtype=torch.float32)
+amax = torch.zeros(1, device="cuda")
+timed("tex.compute_amax fp32 16.8M", lambda: tex.compute_amax(master, amax))
+timed("torch amax (abs().max())", lambda: master.abs().max())
+timed("torch _foreach_norm inf", lambda: torch._foreach_norm([master], float("inf")))
+scale = torch.ones(1, device="cuda")
+q = Float8Quantizer(scale=scale, amax=torch.Tensor(), fp8_dtype=w._fp8_dtype)
+frag = q.create_tensor_from_data(w._data.view(-1), w.dtype)
+timed("Float8Quantizer.update_quantized fp32->fp8", lambda: q.update_quantized(master, frag))
+out = torch.empty(master.numel(), dtype=torch.uint8, device="cuda")
+timed("torch mul+clamp+to(fp8)", lambda: out.view(torch.float8_e4m3fn).copy_((master * scale).clamp_(-448, 448)))
+bf = master.to(torch.bfloat16)
+timed("update_quantized bf16->fp8", lambda: q.update_quantized(bf, frag))
