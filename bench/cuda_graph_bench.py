@@ -137,11 +137,11 @@ def _profile(env: Env, step: Callable[[], torch.Tensor], path: Path | None) -> N
 
 
 def run_config(env: Env, name: str, capture: Callable, warmup: int, steps: int,
-               trace_dir: Path | None = None) -> list[dict]:
+               trace_dir: Path | None = None, modes: list[str] | None = None, rep: int = 1) -> list[dict]:
     cfg, mb = CONFIGS[name]
     inputs, target = _data(cfg, env, mb)
     rows = []
-    for mode in MODES:
+    for mode in modes or list(MODES):
         model, opt = _build(cfg, env, mode)
 
         def step_fn(x: torch.Tensor, y: torch.Tensor, model=model) -> torch.Tensor:
@@ -152,9 +152,9 @@ def run_config(env: Env, name: str, capture: Callable, warmup: int, steps: int,
         step = (_replay_step(capture(model, opt, step_fn, (inputs, target), warmup=3)) if mode.startswith("graph")
                 else _eager_step(step_fn, opt, inputs, target, set_to_none=not MODES[mode][0]))
         step_s, losses = _timed(env, step, warmup, steps)
-        rows.append({"config": name, "mode": mode, "step_ms": 1e3 * step_s, "loss_first": losses[0],
+        rows.append({"config": name, "mode": mode, "rep": rep, "step_ms": 1e3 * step_s, "loss_first": losses[0],
                      "loss_last": losses[-1], "finite": all(math.isfinite(x) for x in losses)})
-        if trace_dir is not None:
+        if trace_dir is not None and rep == 1:
             _profile(env, step, trace_dir / f"graph_{name}_{mode}.json.gz" if env.rank == 0 else None)
         del model, opt, step
         runtime.free_memory(env)
@@ -174,13 +174,29 @@ def write_trace_report(trace_dir: Path, configs: list[str]) -> None:
     (trace_dir / "graph_trace.md").write_text("# CUDA-graph bench profiles\n\n" + "\n".join(parts))
 
 
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row per (config, mode): the median step time over repetitions, min–max kept."""
+    out: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        key = (r["config"], r["mode"])
+        agg = out.setdefault(key, {**r, "times": []})
+        agg["times"].append(r["step_ms"])
+        agg["finite"] = agg["finite"] and r["finite"]
+    for agg in out.values():
+        agg["step_ms"] = statistics.median(agg["times"])
+    return list(out.values())
+
+
 def markdown(rows: list[dict], header: str) -> str:
+    rows = median_rows(rows)
     eager = {r["config"]: r["step_ms"] for r in rows if r["mode"] == "eager"}
-    lines = [header, "", "| config | mode | step ms (median) | eager / this | loss first → last |",
-             "| --- | --- | ---: | ---: | --- |"]
+    lines = [header, "", "| config | mode | reps | step ms (median) | min–max | eager / this | loss first → last |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         flag = "" if r["finite"] else " NON-FINITE"
-        lines.append(f"| {r['config']} | {r['mode']} | {r['step_ms']:.2f} | {eager[r['config']] / r['step_ms']:.2f}× "
+        ratio = f"{eager[r['config']] / r['step_ms']:.2f}×" if r["config"] in eager else "–"
+        lines.append(f"| {r['config']} | {r['mode']} | {len(r['times'])} | {r['step_ms']:.2f} | "
+                     f"{min(r['times']):.2f}–{max(r['times']):.2f} | {ratio} "
                      f"| {r['loss_first']:.4f} → {r['loss_last']:.4f}{flag} |")
     return "\n".join(lines) + "\n"
 
@@ -194,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--md", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None, help="directory for per-mode profiles and graph_trace.md")
+    p.add_argument("--modes", type=csv_list(list(MODES)), default=list(MODES))
+    p.add_argument("--reps", type=int, default=1, help="repetitions; modes alternate inside each (median)")
     args = p.parse_args(argv)
     capture, why = capture_api()
     if capture is None or not torch.cuda.is_available():
@@ -206,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     env = runtime.init("cuda")
     rows: list[dict] = []
     try:
-        for name in args.configs:
+        for name, rep in ((n, r) for n in args.configs for r in range(1, args.reps + 1)):
             try:
-                rows += run_config(env, name, capture, args.warmup, args.steps, args.trace)
+                rows += run_config(env, name, capture, args.warmup, args.steps, args.trace, args.modes, rep)
             except Exception as err:  # a capture failure: report it, try the next config
                 if env.rank == 0:
                     print(f"[graph] {name}: ERROR {type(err).__name__}: {err}", flush=True)

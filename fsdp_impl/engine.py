@@ -193,6 +193,11 @@ class FSDPEngine:
         for unit in self.units:
             unit.zero_grad_buffers(free)
 
+    def grad_buffer_ptrs(self) -> set[int]:
+        """Storage addresses of the allocated grad buffers (``hide_buffer_grads`` matches views)."""
+        return {u.grad.data.untyped_storage().data_ptr() for u in self.units
+                if u.grad is not None and u.grad.is_allocated and u.grad.data.numel()}
+
     def check_zero_grad(self, free: bool) -> None:
         """Refuse ``zero_grad(set_to_none=True)`` in graph mode (before anything is reset)."""
         if free and self.ctx.graph_mode:

@@ -6,9 +6,12 @@ swapped for a one-off subclass that adds the buffer reset (``isinstance`` checks
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
+
 import torch
 
-from .decoupled import clear_grads
+from .decoupled import clear_grads, local_tensor
 from .engine import FSDPEngine
 from .graph_mode import USER_CLASS_ATTR, check_optimizer_capturable
 
@@ -39,6 +42,27 @@ def remap_optimizer_params(optimizer: torch.optim.Optimizer, mapping: dict[int, 
     optimizer.state.clear()
 
 
+@contextlib.contextmanager
+def hide_buffer_grads(engines: list[FSDPEngine], params: Iterable[torch.Tensor], active: bool) -> Iterator[None]:
+    """While active, ``.grad`` is None on every param whose grad is a view of an engine grad
+    buffer; restored afterwards. ``zero_grad(set_to_none=False)`` resets those buffers whole
+    (one fill each, after everything else), so the optimizer's / module's own zeroing of the
+    views would only write the same zeros a second time (a full pass over the grads)."""
+    hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if active:
+        ptrs = set().union(*(e.grad_buffer_ptrs() for e in engines))
+        for p in params:
+            g = p.grad
+            if g is not None and local_tensor(g).untyped_storage().data_ptr() in ptrs:
+                hidden.append((p, g))
+                p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in hidden:
+            p.grad = g
+
+
 class _FSDPOptimizerMixin(torch.optim.Optimizer):
     """Adds the FSDP buffer reset to ``zero_grad``. Only ever a base next to the user's optimizer
     class (``_FSDPOptimizerMixin, cls``), so ``super()`` is that class's ``zero_grad``."""
@@ -48,7 +72,9 @@ class _FSDPOptimizerMixin(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for engine in self._fsdp_engines:
             engine.check_zero_grad(free=set_to_none)
-        super().zero_grad(set_to_none=set_to_none)
+        with hide_buffer_grads(self._fsdp_engines, (p for g in self.param_groups for p in g["params"]),
+                               active=not set_to_none):
+            super().zero_grad(set_to_none=set_to_none)
         params = (p for g in self.param_groups for p in g["params"])
         clear_grads(params, any(e.use_decoupled_grad for e in self._fsdp_engines), set_to_none)
         # The buffers last: their zeroing is then the latest write, so the next backward may
