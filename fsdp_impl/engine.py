@@ -80,6 +80,9 @@ class FSDPEngine:
             if zero3:  # a forward without backward (eval) may have left units gathered/prefetched
                 for other in self.units:
                     other.reshard()
+            else:
+                for other in self.units:
+                    other.drop_prefetched_refresh()
             if not zero3 or self.fp8 is not None:  # ZeRO-3 re-gathers every unit anyway
                 self._agree_on_stale_units()
             if self.fp8 is not None:  # FP8 params of changed units: one sharded requantisation
@@ -92,10 +95,25 @@ class FSDPEngine:
         if zero3:
             unit.unshard()
             self._prefetch_after(unit, self._prev_order, +1)
-        elif self._stale[unit]:
-            unit.refresh()
-            self._stale[unit] = False
+        else:
+            if self._stale[unit]:
+                unit.refresh()
+                self._stale[unit] = False
+            self._prefetch_refresh_after(unit)
         unit.swap_in()
+
+    def _prefetch_refresh_after(self, unit: FSDPUnit) -> None:
+        """ZeRO-1/2: start the refresh gather of the unit that ran after ``unit`` in the previous
+        forward (the first one after the root), when it is stale. Stale flags are agreed on every
+        rank and the forward order is the same everywhere, so all ranks issue the same gathers."""
+        order = self._prev_order
+        if unit is self.root:
+            nxt = order[0] if order else None
+        else:
+            j = order.index(unit) + 1 if unit in order else len(order)
+            nxt = order[j] if j < len(order) else None
+        if nxt is not None and nxt.ctx.prefetch and self._stale.get(nxt, False):
+            nxt.prefetch_refresh()
 
     def post_forward(self, unit: FSDPUnit, output: Any) -> None:
         """Swap the DTensor params back; ZeRO-3 frees non-root units until their backward."""

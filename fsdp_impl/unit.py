@@ -214,11 +214,13 @@ class FSDPUnit:
         self._gather = self._start_gather()
 
     def refresh(self) -> None:
-        """ZeRO-0/1/2: rebuild the persistent compute params from the main shards."""
+        """ZeRO-0/1/2: rebuild the persistent compute params from the main shards (finishing the
+        gather ``prefetch_refresh`` started, if any)."""
         if not self.params:
             return
         if self.ctx.strategy != ShardingStrategy.NO_SHARD:
-            self._finish_gather(self._start_gather())
+            gather, self._gather = self._gather, None
+            self._finish_gather(gather if gather is not None else self._start_gather())
             return
         local = self.weight.data.to(self.dtypes.compute)
         with torch.no_grad(), _preserve_versions(self.params):
@@ -253,6 +255,22 @@ class FSDPUnit:
                 with _preserve_versions(params):
                     layout.unpack_all(gathered, [p.compute_local() for p in params], fused=not self.ctx.graph_mode)
         self.synced_version = gather.version
+
+    def prefetch_refresh(self) -> None:
+        """ZeRO-1/2: start the all-gather the next ``refresh`` finishes, so it overlaps the
+        compute of the unit before it (the main weights do not change inside a forward)."""
+        if (self.ctx.strategy not in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)
+                or self._gather is not None or not self.params):
+            return
+        self._gather = self._start_gather()
+
+    def drop_prefetched_refresh(self) -> None:
+        """ZeRO-1/2: forget a prefetched gather the last forward did not use (it skipped this
+        unit); its values may predate the optimizer step since."""
+        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS or self._gather is None:
+            return
+        self.ctx.streams.gather.wait(self._gather.event)
+        self._gather = None
 
     def reshard(self) -> None:
         """ZeRO-3: free the compute storage (autograd's saved references stay valid objects)."""
