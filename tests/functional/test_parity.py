@@ -37,14 +37,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from fsdp_impl.grad_reduce import GradScaling
 from tests.functional import matrix_axes as axes
 from tests.functional.common.models import build_model
 from tests.functional.common.numerics import assert_losses_close, max_loss_error, max_relative_error
 from tests.functional.common.reference import OPTIMIZERS, train_reference
 from tests.functional.common.training import RunConfig, train_fsdp
+from tests.mutants import catalogue, patching
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 MODELS = ["cnn", "transformer", "gpt"]
@@ -125,55 +124,34 @@ def test_parity_world4(case: Case, dist_env) -> None:
         _check(case, opt, dist_env)
 
 
-class _SumInsteadOfAverage:
-    """Within the block, every averaging all-reduce / reduce-scatter the engine issues sums
-    instead: the wrong-reduction mutant the parity check must catch. Like ``CollectiveCounter``
-    it replaces the ``torch.distributed`` functions (looked up at call time) and restores them.
-    The engine's default averages by pre-dividing and then summing (Megatron-FSDP's
-    divide-then-SUM), so the mutant also drops that pre-division."""
+class _CatalogueMutant:
+    """Within the block, one mutant of ``tests.mutants.catalogue`` is applied (and undone after,
+    leaving any mutant of the whole run in place): the parity check must catch it. The block is
+    the recorded forward/backward, so the test's own collectives are never mutated. Counts how
+    often the engine called a mutated function, so a mutant that touched nothing is noticed."""
 
-    OPS = {"all_reduce": 1, "reduce_scatter_tensor": 2}  # op name -> position of its ``op`` argument
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls = 0
+        self._depth = 0
 
-    def __init__(self) -> None:
-        self.replaced = 0
-        self._saved: dict[str, Callable[..., Any]] = {}
-
-    def _wrap(self, name: str) -> Callable[..., Any]:
-        original, position = self._saved[name], self.OPS[name]
-
-        def summing(*args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("op") == dist.ReduceOp.AVG:
-                kwargs["op"] = dist.ReduceOp.SUM
-                self.replaced += 1
-            elif len(args) > position and args[position] == dist.ReduceOp.AVG:
-                args = (*args[:position], dist.ReduceOp.SUM, *args[position + 1:])
-                self.replaced += 1
+    def _count(self, original: Any) -> Any:
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
             return original(*args, **kwargs)
+        return counted
 
-        return summing
-
-    def _skip_pre_division(self) -> Callable[..., Any]:
-        def prepare(scaling: GradScaling, full: torch.Tensor) -> None:
-            if scaling.pre_scale is not None and scaling.pre_scale < 1.0:
-                self.replaced += 1
-                return
-            self._saved_prepare(scaling, full)
-
-        return prepare
-
-    def __enter__(self) -> _SumInsteadOfAverage:
-        for name in self.OPS:
-            self._saved[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name))
-        self._saved_prepare = GradScaling.prepare
-        GradScaling.prepare = self._skip_pre_division()  # type: ignore[method-assign]
+    def __enter__(self) -> _CatalogueMutant:
+        self._depth = len(patching.APPLIED)
+        getattr(catalogue, self.name)()
+        for owner, attr, _, replacement in patching.APPLIED[self._depth:]:
+            if callable(replacement) and not isinstance(replacement, property):
+                setattr(owner, attr, self._count(replacement))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved.clear()
-        GradScaling.prepare = self._saved_prepare  # type: ignore[method-assign]
+        patching.undo(down_to=self._depth)
 
 
 @pytest.mark.distributed(world_size=2, timeout=600)
@@ -185,7 +163,7 @@ def test_sum_instead_of_average_fails(case: Case, dist_env) -> None:
     """Grads summed over ranks instead of averaged (x world size) break SGD parity by orders of
     magnitude more than the tolerance; the reductions run inside the recorded forward/backward,
     so the mutant sees all of them and none of the test's own loss averaging."""
-    mutant = _SumInsteadOfAverage()
+    mutant = _CatalogueMutant("grads_summed_not_averaged")
     with pytest.raises(AssertionError, match="relative error"):
         _check(case, "sgd", dist_env, record=lambda step, m: mutant)
-    assert mutant.replaced > 0, "the mutant replaced no reduction: the engine's reductions were not seen"
+    assert mutant.calls > 0, "the mutant was never called: the engine's grad scaling was not seen"

@@ -42,8 +42,9 @@ def verify() -> list[str]:
             if vars(owner).get(name) is not new]
 
 
-def undo() -> None:
-    """Restore every patched attribute (checks that apply several mutants in one interpreter)."""
-    while APPLIED:
+def undo(down_to: int = 0) -> None:
+    """Restore patched attributes, newest first, until ``down_to`` patches remain (0: all; a test
+    applying a mutant for a block keeps the patches made before it)."""
+    while len(APPLIED) > down_to:
         owner, name, original, _ = APPLIED.pop()
         setattr(owner, name, original)

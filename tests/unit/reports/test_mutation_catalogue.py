@@ -48,3 +48,21 @@ def test_a_missing_target_does_not_apply() -> None:
         patching.replace("fsdp_impl.no_such_module:f", lambda original: None)
     stale = catalogue.Mutant("no_such_mutant", "a mutant whose function was removed", ("tests",))
     assert "AttributeError" in (runner.applies(stale) or "")
+
+
+def test_undo_down_to_keeps_the_earlier_patches() -> None:
+    """A test that applies a mutant for a block undoes only its own patches: a mutant of the
+    whole run (applied first) stays in place."""
+    import fsdp_impl.comm as comm
+
+    originals = (comm.all_gather, comm.all_reduce_max)
+    try:
+        patching.replace("fsdp_impl.comm:all_gather", lambda original: lambda *a, **k: "run mutant")
+        depth = len(patching.APPLIED)
+        patching.replace("fsdp_impl.comm:all_reduce_max", lambda original: lambda *a, **k: "block mutant")
+        patching.undo(down_to=depth)
+        assert comm.all_reduce_max is originals[1]
+        assert comm.all_gather() == "run mutant" and not patching.verify()
+    finally:
+        patching.undo()
+    assert (comm.all_gather, comm.all_reduce_max) == originals
