@@ -82,6 +82,23 @@ def manifest_published_before_data() -> None:
 
 
 # ------------------------------------------------------------------------------ grad reduction
+def zeroed_grad_overwritten_after_write() -> None:
+    """The first reduction after ``zero_grad(set_to_none=False)`` overwrites the grad buffer even
+    when something wrote into ``.grad`` since (a hand-added gradient is silently lost)."""
+    def make(original: Any) -> Any:
+        def take_zeroed(self: Any, token: object | None) -> bool:
+            mark, self._zeroed = self._zeroed, None
+            return mark is not None and mark[0] is token
+        return take_zeroed
+    replace("fsdp_impl.buffers:DataParallelBuffer.take_zeroed", make)
+
+
+def refresh_prefetch_kept_across_steps() -> None:
+    """A ZeRO-1/2 refresh gather prefetched in a forward that skipped its unit is finished after
+    the next optimizer step: the unit computes with the weights of before that step."""
+    replace("fsdp_impl.unit:FSDPUnit.drop_prefetched_refresh", lambda original: lambda self: None)
+
+
 def grads_summed_not_averaged() -> None:
     """Gradients are summed across data-parallel ranks instead of averaged (world-size x too large;
     Adam hides much of it, SGD does not): the default pre-division by the dp size is skipped, and
@@ -246,6 +263,10 @@ MUTANTS = (
            ("tests/unit/checkpoint/test_checkpoint_crash_safety.py", "-k", "test_killed_save_leaves_a_complete")),
     Mutant("grads_summed_not_averaged", "grads summed instead of averaged",
            (F + "test_mesh_world2.py", "-k", "test_plain_fsdp_world2")),
+    Mutant("zeroed_grad_overwritten_after_write", "zeroed grad buffer overwritten after a write into .grad",
+           ("tests/unit/fsdp/test_graph_mode_cpu.py", "-k", "test_zeroed_grad_buffers_are_overwritten")),
+    Mutant("refresh_prefetch_kept_across_steps", "ZeRO-1/2 prefetched refresh gather used after the next step",
+           ("tests/unit/fsdp/test_refresh_prefetch.py", "-k", "test_unused_prefetch")),
     Mutant("hsdp_outer_reduce_every_microbatch", "HSDP outer reduce on every microbatch",
            (F + "test_mesh_world2.py", "-k", "test_hsdp_world2")),
     Mutant("hsdp_outer_reduce_never", "HSDP outer reduce never",

@@ -67,3 +67,57 @@ def test_refresh_is_prefetched_and_trains_identically(strategy: int, graph_mode:
     eager_steps(ref, ref_opt, range(3, 4), CPU, torch.float32)
     assert all(events.index(("gather", b)) > events.index(("pre", b)) for b in blocks), \
         f"without prefetch the gathers must follow the pre-forwards (the check above can fail): {events}"
+
+
+class _SkippableNet(torch.nn.Module):
+    """GraphNet's layout (root ``inp``/``out``, one unit per block) whose middle block is skipped
+    when ``skip`` is set: a forward that leaves a prefetched refresh gather unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.functional.common.graph_training import HIDDEN, IN, OUT, Block
+
+        self.inp = torch.nn.Linear(IN, HIDDEN)
+        self.blocks = torch.nn.ModuleList([Block(HIDDEN) for _ in range(3)])
+        self.out = torch.nn.Linear(HIDDEN, OUT)
+        self.skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if not (self.skip and i == 1):
+                x = block(x)
+        return self.out(x)
+
+
+@pytest.mark.parametrize("strategy", [1, 2])
+def test_unused_prefetch_is_not_used_after_the_next_step(strategy: int, dist_env) -> None:
+    """A forward that skips a unit leaves its prefetched gather (made from the weights of that
+    step) unused; after the next optimizer step the unit must gather the new weights, not
+    finish the old gather: losses stay bit-identical to the run without prefetch."""
+    import fsdp_impl
+    from tests.functional.common.graph_training import Block, batch, make_optimizer
+
+    def build(prefetch: bool):
+        torch.manual_seed(0)
+        module = _SkippableNet()
+        opt = make_optimizer("adamw", module.parameters())
+        policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+        model, opt = fsdp_impl.fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
+                                           mixed_precision_policy=policy, overlap_param_gather=prefetch)
+        return module, model, opt
+
+    runs = []
+    for prefetch in (True, False):
+        module, model, opt = build(prefetch)
+        losses = []
+        for step in range(5):
+            module.skip = step in (1, 3)
+            opt.zero_grad()
+            x, y = batch(step, CPU, torch.float32)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        runs.append(losses)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), runs
