@@ -10,9 +10,12 @@ import torch
 import torch.distributed as dist
 
 from fsdp_impl.fp8_te import _quantize_current
+from tests.functional import matrix_axes as axes
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine"),
-              pytest.mark.distributed(world_size=1)]
+              pytest.mark.distributed(world_size=1),
+              pytest.mark.matrix(mesh=axes.mesh(1), zero="optim_grads_params", model="te_linear", dtype="bf16",
+                                 recipe=axes.recipe("current"))]
 
 
 def _te_weight(rows: int, cols: int) -> torch.Tensor:
