@@ -107,11 +107,7 @@ class FSDPEngine:
         forward (the first one after the root), when it is stale. Stale flags are agreed on every
         rank and the forward order is the same everywhere, so all ranks issue the same gathers."""
         order = self._prev_order
-        if unit is self.root:
-            nxt = order[0] if order else None
-        else:
-            j = order.index(unit) + 1 if unit in order else len(order)
-            nxt = order[j] if j < len(order) else None
+        nxt = (order[0] if order else None) if unit is self.root else self._neighbour(unit, order, +1)
         if nxt is not None and nxt.ctx.prefetch and self._stale.get(nxt, False):
             nxt.prefetch_refresh()
 
@@ -147,15 +143,21 @@ class FSDPEngine:
                 unit.unshard(backward=True)
                 self._prefetch_after(unit, self._order, -1)
 
-    @staticmethod
-    def _prefetch_after(unit: FSDPUnit, order: list[FSDPUnit], step: int) -> None:
+    @classmethod
+    def _prefetch_after(cls, unit: FSDPUnit, order: list[FSDPUnit], step: int) -> None:
         """ZeRO-3: start the all-gather of the unit that runs after ``unit`` (forward: next in
         the previous forward order; backward: previous in this forward's order)."""
+        nxt = cls._neighbour(unit, order, step)
+        if nxt is not None and nxt.ctx.prefetch:  # prefetch=False: overlap_param_gather off
+            nxt.prefetch()
+
+    @staticmethod
+    def _neighbour(unit: FSDPUnit, order: list[FSDPUnit], step: int) -> FSDPUnit | None:
+        """The unit ``step`` places after ``unit`` in ``order`` (None: not there, or past an end)."""
         if unit not in order:
-            return
+            return None
         j = order.index(unit) + step
-        if 0 <= j < len(order) and order[j].ctx.prefetch:  # prefetch=False: overlap_param_gather off
-            order[j].prefetch()
+        return order[j] if 0 <= j < len(order) else None
 
     def grad_ready(self, unit: FSDPUnit, param: ManagedParam) -> None:
         """Post-accumulate-grad hook target: stash the grad; reduce when the unit is complete."""

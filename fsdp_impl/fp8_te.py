@@ -164,8 +164,10 @@ def quantize_te(items: list[Any], group: torch.distributed.ProcessGroup) -> None
     (TE's amax and scale kernels, torch's cast); the other recipes TE's ``quantize_master_weights``."""
     for item in items:
         item.param.attach()
-    current = [item for item in items if _is_current_scaling(item.param.tensor)]
-    others = [item for item in items if not _is_current_scaling(item.param.tensor)]
+    current: list[Any] = []
+    others: list[Any] = []
+    for item in items:
+        (current if _is_current_scaling(item.param.tensor) else others).append(item)
     if current:
         _quantize_current(current, group)
     if not others:

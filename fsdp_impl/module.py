@@ -9,10 +9,9 @@ import torch
 import torch.nn as nn
 
 from .buffers import ParamAndGradBuffer
-from .decoupled import clear_grads
 from .engine import FSDPEngine
 from .mesh import DistIndex
-from .optimizer_binding import hide_buffer_grads
+from .optimizer_binding import zero_grads_and_buffers
 from .policy import MixedPrecisionPolicy
 
 
@@ -68,12 +67,7 @@ class FullyShardedModule(nn.Module):
         self._fsdp_engine.zero_grad_buffers()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._fsdp_engine.check_zero_grad(free=set_to_none)
-        with hide_buffer_grads([self._fsdp_engine], self.parameters(), active=not set_to_none):
-            super().zero_grad(set_to_none=set_to_none)
-        clear_grads(self.parameters(), self._fsdp_engine.use_decoupled_grad, set_to_none)
-        # The buffers last, so the next backward may overwrite them (see optimizer_binding).
-        self._fsdp_engine.zero_grad_buffers(free=set_to_none)
+        zero_grads_and_buffers([self._fsdp_engine], list(self.parameters()), set_to_none, super().zero_grad)
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -7,7 +7,7 @@ swapped for a one-off subclass that adds the buffer reset (``isinstance`` checks
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -63,6 +63,22 @@ def hide_buffer_grads(engines: list[FSDPEngine], params: Iterable[torch.Tensor],
             p.grad = g
 
 
+def zero_grads_and_buffers(engines: list[FSDPEngine], params: list[torch.Tensor], set_to_none: bool,
+                           own_zero_grad: Callable[..., None]) -> None:
+    """The ``zero_grad`` of a bound optimizer and of a wrapped model: refuse what graph mode
+    cannot take (before anything is reset), the caller's own reset (``own_zero_grad``, with the
+    buffer views hidden), decoupled grads, then the engines' buffers last: their zeroing is then
+    the latest write, so the next backward may overwrite them instead of adding
+    (``DataParallelBuffer.take_zeroed`` checks exactly that)."""
+    for engine in engines:
+        engine.check_zero_grad(free=set_to_none)
+    with hide_buffer_grads(engines, params, active=not set_to_none):
+        own_zero_grad(set_to_none=set_to_none)
+    clear_grads(params, any(e.use_decoupled_grad for e in engines), set_to_none)
+    for engine in engines:
+        engine.zero_grad_buffers(free=set_to_none)
+
+
 class _FSDPOptimizerMixin(torch.optim.Optimizer):
     """Adds the FSDP buffer reset to ``zero_grad``. Only ever a base next to the user's optimizer
     class (``_FSDPOptimizerMixin, cls``), so ``super()`` is that class's ``zero_grad``."""
@@ -70,17 +86,8 @@ class _FSDPOptimizerMixin(torch.optim.Optimizer):
     _fsdp_engines: list[FSDPEngine]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for engine in self._fsdp_engines:
-            engine.check_zero_grad(free=set_to_none)
-        with hide_buffer_grads(self._fsdp_engines, (p for g in self.param_groups for p in g["params"]),
-                               active=not set_to_none):
-            super().zero_grad(set_to_none=set_to_none)
-        params = (p for g in self.param_groups for p in g["params"])
-        clear_grads(params, any(e.use_decoupled_grad for e in self._fsdp_engines), set_to_none)
-        # The buffers last: their zeroing is then the latest write, so the next backward may
-        # overwrite them instead of adding (DataParallelBuffer.take_zeroed checks exactly that).
-        for engine in self._fsdp_engines:
-            engine.zero_grad_buffers(free=set_to_none)
+        zero_grads_and_buffers(self._fsdp_engines, [p for g in self.param_groups for p in g["params"]],
+                               set_to_none, super().zero_grad)
 
 
 def attach_engines(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine]) -> torch.optim.Optimizer:

@@ -267,18 +267,23 @@ class FSDPUnit:
     def drop_prefetched_refresh(self) -> None:
         """ZeRO-1/2: forget a prefetched gather the last forward did not use (it skipped this
         unit); its values may predate the optimizer step since."""
-        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS or self._gather is None:
-            return
+        if self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+            self._discard_gather()
+
+    def _discard_gather(self) -> bool:
+        """Forget a started gather nobody will finish (the gather stream waits for it so its
+        buffer is not reused early); True when there was one."""
+        if self._gather is None:
+            return False
         self.ctx.streams.gather.wait(self._gather.event)
         self._gather = None
+        return True
 
     def reshard(self) -> None:
         """ZeRO-3: free the compute storage (autograd's saved references stay valid objects)."""
         if self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
             return
-        if self._gather is not None:  # prefetched but never used
-            self.ctx.streams.gather.wait(self._gather.event)
-            self._gather = None
+        if self._discard_gather():  # prefetched but never used
             self._release_unsharded()
         if self.is_unsharded:
             self._release_unsharded()

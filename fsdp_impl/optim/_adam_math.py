@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AdamHyper", "AdamTensors", "adam_foreach_", "adam_fused_", "adam_single_", "compute_dtype",
-           "fused_unsupported"]
+__all__ = ["AdamHyper", "AdamTensors", "adam_foreach_", "adam_fused_", "adam_single_", "compute_dtype"]
 
 
 @dataclass(frozen=True)
@@ -194,7 +193,7 @@ def _capturable_update(params: list[torch.Tensor], exp_avgs: list[torch.Tensor],
     torch._foreach_addcdiv_(params, exp_avgs, denom)
 
 
-def fused_unsupported(t: AdamTensors) -> str | None:
+def _fused_unsupported(t: AdamTensors) -> str | None:
     """Why ``torch._fused_adam(w)_`` cannot update this parameter, or None when it can: the
     kernel reads and writes every tensor in place in one dtype (no upcast or write-back)."""
     dtype = t.param.dtype
@@ -218,7 +217,7 @@ def adam_fused_(batch: list[AdamTensors], hp: AdamHyper) -> None:
     if not batch:
         return
     for t in batch:
-        why = fused_unsupported(t)
+        why = _fused_unsupported(t)
         if why is not None:
             raise ValueError(f"fused=True cannot update this parameter: {why}; the fused kernel needs the "
                              "parameter, its grad and its moments in one dtype on one device (use "

@@ -1,4 +1,9 @@
-"""Probe: time TE's per-weight pieces of quantize_master_weights against torch ops (one H200)."""
+"""Probe: time the per-weight pieces of TE's ``quantize_master_weights`` (amax, cast) against torch
+ops on one GPU: ``source .te/install.sh && python3 bench/te_cast_probe.py``.
+
+On the H200 (TE 2.20.2, 2026-12-01) it showed TE's ``update_quantized`` cast at 1.68 ms (fp32
+input) / 1.17 ms (bf16) for a 16.8M-element weight against 0.11 ms for torch's mul+clamp+cast,
+which is why ``fsdp_impl.fp8_te`` casts current-scaling weights with torch."""
 import torch
 import transformer_engine.pytorch as te
 import transformer_engine_torch as tex
