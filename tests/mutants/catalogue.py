@@ -211,12 +211,7 @@ def graph_mode_zero_grad_set_to_none_allowed() -> None:
     """With ``cuda_graph_mode=True``, ``zero_grad(set_to_none=True)`` frees the grad buffers instead
     of being refused: the ``.grad`` views a captured graph writes into are dropped, and replays
     silently stop delivering gradients."""
-    def make(original: Any) -> Any:
-        def zero_grad_buffers(self: Any, free: bool = False) -> None:
-            for unit in self.units:
-                unit.zero_grad_buffers(free)
-        return zero_grad_buffers
-    replace("fsdp_impl.engine:FSDPEngine.zero_grad_buffers", make)
+    replace("fsdp_impl.engine:FSDPEngine.check_zero_grad", lambda original: lambda self, free: None)
 
 
 # -------------------------------------------------------------------------------------- FP8
