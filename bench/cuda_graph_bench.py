@@ -14,7 +14,11 @@ Per config, fresh builds from the same init and data (seed 0):
   step_fn, static_inputs, warmup=3)`` and timed by ``.replay()``. ``step_fn(inputs, target)`` runs
   forward, loss and backward and returns the loss; the captured step owns the optimizer step and
   the grad reset (the optimizer is handed to it);
-- ``graph-foreach``: replay with ``fsdp_impl.optim.AdamW(capturable=True)`` (multi-tensor step).
+- ``graph-foreach``: replay with ``fsdp_impl.optim.AdamW(capturable=True)`` (multi-tensor step);
+- ``fp8-eager``, ``fp8-eager-fused``, ``fp8-graph`` (not run by default; need TransformerEngine):
+  ``eager``, ``eager-fused`` and ``graph`` with the block linears as ``te.Linear`` FP8 parameters
+  (Float8CurrentScaling, ``keep_fp8_transpose_cache=True``, forward under ``te.autocast``), as
+  ``bench/fp8_bench.py`` builds them.
 
 ``--trace DIR`` also profiles 3 steps of each mode (``bench.trace_summary`` table in
 ``DIR/graph_trace.md``), to see where the GPU time of each goes.
@@ -26,12 +30,15 @@ graph-mode wrap) is not there, the script says so, writes that into ``--md`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib
 import math
 import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make ``bench`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -61,20 +68,34 @@ def capture_api() -> tuple[Callable | None, str]:
     return fn, ""
 
 
-# mode -> (graph-mode wrap, optimizer factory)
-MODES: dict[str, tuple[bool, str]] = {
-    "eager": (False, "torch"), "eager-fused": (False, "torch-fused"), "eager-graph-mode": (True, "fused"),
-    "graph": (True, "fused"), "graph-foreach": (True, "foreach"),
+# mode -> (graph-mode wrap, optimizer factory, FP8 parameters: None or the TE recipe)
+MODES: dict[str, tuple[bool, str, str | None]] = {
+    "eager": (False, "torch", None), "eager-fused": (False, "torch-fused", None),
+    "eager-graph-mode": (True, "fused", None), "graph": (True, "fused", None), "graph-foreach": (True, "foreach", None),
+    "fp8-eager": (False, "torch", "current"), "fp8-eager-fused": (False, "torch-fused", "current"),
+    "fp8-graph": (True, "fused", "current"),
 }
+REPLAYED = ("graph", "graph-foreach", "fp8-graph")  # captured with capture_train_step, timed by replay()
+DEFAULT_MODES = [m for m, (_, _, fp8) in MODES.items() if fp8 is None]
 
 
 def _build(cfg: GPTConfig, env: Env, mode: str):
+    """The wrapped model, its optimizer and the context its forward runs in (``te.autocast`` for
+    the FP8 modes: block linears as ``te.Linear`` FP8 parameters, as ``bench.fp8_bench``)."""
     import fsdp_impl
 
-    graph_mode, optim = MODES[mode]
+    graph_mode, optim, fp8 = MODES[mode]
     torch.manual_seed(0)
     with torch.device(env.device):
         module = GPT(cfg).to(torch.bfloat16)
+    autocast: Callable[[], Any] = contextlib.nullcontext
+    if fp8 is not None:
+        import transformer_engine.pytorch as te
+
+        from bench import fp8_bench
+        recipe = fp8_bench.te_recipe(fp8)
+        fp8_bench.te_linears(module, recipe, fp8_params=True)
+        autocast = functools.partial(te.autocast, recipe=recipe)
     opt: torch.optim.Optimizer
     if optim == "torch":
         opt = torch.optim.AdamW(module.parameters(), lr=impls.LR)
@@ -83,8 +104,10 @@ def _build(cfg: GPTConfig, env: Env, mode: str):
     else:
         opt = fsdp_impl.optim.AdamW(module.parameters(), lr=impls.LR, capturable=True, fused=optim == "fused")
     policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
-    return fsdp_impl.fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params",
-                                 mixed_precision_policy=policy, cuda_graph_mode=graph_mode)
+    model, opt = fsdp_impl.fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params",
+                                       mixed_precision_policy=policy, cuda_graph_mode=graph_mode,
+                                       keep_fp8_transpose_cache=fp8 is not None)
+    return model, opt, autocast
 
 
 def _data(cfg: GPTConfig, env: Env, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,14 +165,16 @@ def run_config(env: Env, name: str, capture: Callable, warmup: int, steps: int,
     inputs, target = _data(cfg, env, mb)
     rows = []
     for mode in modes or list(MODES):
-        model, opt = _build(cfg, env, mode)
+        model, opt, autocast = _build(cfg, env, mode)
 
-        def step_fn(x: torch.Tensor, y: torch.Tensor, model=model) -> torch.Tensor:
-            loss = F.cross_entropy(model(x).float().view(-1, cfg.vocab), y.reshape(-1))
+        def step_fn(x: torch.Tensor, y: torch.Tensor, model=model, autocast=autocast) -> torch.Tensor:
+            with autocast():
+                logits = model(x)
+            loss = F.cross_entropy(logits.float().view(-1, cfg.vocab), y.reshape(-1))
             loss.backward()
             return loss
 
-        step = (_replay_step(capture(model, opt, step_fn, (inputs, target), warmup=3)) if mode.startswith("graph")
+        step = (_replay_step(capture(model, opt, step_fn, (inputs, target), warmup=3)) if mode in REPLAYED
                 else _eager_step(step_fn, opt, inputs, target, set_to_none=not MODES[mode][0]))
         step_s, losses = _timed(env, step, warmup, steps)
         rows.append({"config": name, "mode": mode, "rep": rep, "step_ms": 1e3 * step_s, "loss_first": losses[0],
@@ -210,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--md", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None, help="directory for per-mode profiles and graph_trace.md")
-    p.add_argument("--modes", type=csv_list(list(MODES)), default=list(MODES))
+    p.add_argument("--modes", type=csv_list(list(MODES)), default=DEFAULT_MODES,
+                   help="fp8-* modes (TE Float8CurrentScaling FP8 parameters) need TransformerEngine")
     p.add_argument("--reps", type=int, default=1, help="repetitions; modes alternate inside each (median)")
     args = p.parse_args(argv)
     capture, why = capture_api()

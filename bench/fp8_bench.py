@@ -78,7 +78,7 @@ class _CopyInit:
         self.source = None
 
 
-def _te_linears(module: nn.Module, recipe: Any, fp8_params: bool) -> None:
+def te_linears(module: nn.Module, recipe: Any, fp8_params: bool) -> None:
     """Swap each block's linears for ``te.Linear`` with the same weights and biases."""
     import transformer_engine.pytorch as te
     init = (te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True) if fp8_params
@@ -94,7 +94,7 @@ def _te_linears(module: nn.Module, recipe: Any, fp8_params: bool) -> None:
                 setattr(block, name, new)
 
 
-def _recipe(kind: str) -> Any:
+def te_recipe(kind: str) -> Any:
     from transformer_engine.common import recipe as r
     return {"current": r.Float8CurrentScaling, "delayed": r.DelayedScaling}[kind]()
 
@@ -109,8 +109,8 @@ def _fsdp(module: nn.Module, keep_transpose: bool) -> tuple[nn.Module, torch.opt
 
 def _ours_te(kind: str, fp8_params: bool, keep: bool, module: nn.Module, env: Env
              ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    recipe = _recipe(kind)
-    _te_linears(module, recipe, fp8_params)
+    recipe = te_recipe(kind)
+    te_linears(module, recipe, fp8_params)
     model, opt = _fsdp(module, keep_transpose=keep)
     return TeAutocast(model, recipe), opt
 

@@ -90,10 +90,6 @@ def _validate(module: nn.Module, mesh: DeviceMesh, dp_outer_dim: str | None, tp_
         raise ValueError(f"outer_dp_sharding_strategy='optim'/1 requires zero_dp_strategy="
                          f"'optim_grads_params'/3, got zero_dp_strategy={strategy.name.lower()!r}/{int(strategy)}")
     check_fp8_params(module, strategy, policy, flags["keep_fp8_transpose_cache"])
-    if flags["cuda_graph_mode"] and has_fp8_params(module):
-        raise _not_implemented("cuda_graph_mode=True with FP8 parameters",
-                               "capturing the FP8 weight gather (its byte buffers are allocated per step)",
-                               "pass cuda_graph_mode=False, or build the model without FP8 parameters")
     if meta_init and strategy == ShardingStrategy.NO_SHARD:
         raise ValueError("init_model_with_meta_device=True is not supported with zero_dp_strategy="
                          "'no_shard'/0 (every rank would hold the whole model anyway); allowed "
