@@ -166,10 +166,14 @@ class UnitFp8:
             shapes += [f.shape] * len(f.planes())
         self.fp8_layout = FlatLayout(shapes, num_shards)
         self.other_layout = FlatLayout([p.layout_shape for p in self.other_params], num_shards)
-        self.fp8_local = torch.zeros(self.fp8_layout.segment_numel, dtype=torch.uint8, device=device)
         self.fp8_bytes = _round_up(self.fp8_layout.segment_numel, _ALIGN)
         self.other_nbytes = self.other_layout.segment_numel * torch.empty(0, dtype=compute).element_size()
         self.other_bytes = _round_up(self.other_nbytes, _ALIGN)
+        # This rank's gather segment, kept for the model's lifetime: the requantisation writes the
+        # FP8 bytes straight into its head (``fp8_local``), so a gather only copies the other
+        # params in behind them (no per-gather zero-fill and copy of the FP8 bytes).
+        self._send = torch.zeros(self.fp8_bytes + self.other_bytes, dtype=torch.uint8, device=device)
+        self.fp8_local = self._send[: self.fp8_layout.segment_numel]
         self._with_fp8 = True  # does the gather in flight (a unit has at most one) carry FP8 bytes?
 
     def owns(self, p: ManagedParam) -> bool:
@@ -194,10 +198,8 @@ class UnitFp8:
         self._with_fp8 = self._gathers_fp8()
         fp8_bytes = self.fp8_bytes if self._with_fp8 else 0
         segment = fp8_bytes + self.other_bytes
-        local = torch.zeros(segment, dtype=torch.uint8, device=self.device)
-        if self._with_fp8:
-            local[: self.fp8_layout.segment_numel].copy_(self.fp8_local)
-        others = local[fp8_bytes: fp8_bytes + self.other_nbytes].view(self.compute)
+        local = self._send[self.fp8_bytes - fp8_bytes:]  # [FP8 bytes |] other params
+        others = self._send[self.fp8_bytes: self.fp8_bytes + self.other_nbytes].view(self.compute)
         for j, i in enumerate(self.other_index):
             self.other_layout.local_view(others, j, self.rank).copy_(weight.local_view(i))
         gathered = torch.empty(segment * self.n, dtype=torch.uint8, device=self.device)
