@@ -20,7 +20,8 @@ Per config, fresh builds from the same init and data (seed 0):
   (Float8CurrentScaling, ``keep_fp8_transpose_cache=True``, forward under ``te.autocast``), as
   ``bench/fp8_bench.py`` builds them.
 
-``--trace DIR`` also profiles 3 steps of each mode (``bench.trace_summary`` table in
+Peak GiB: the most allocated during the timed steps (a captured graph's private pool counts),
+max over ranks and repetitions. ``--trace DIR`` also profiles 3 steps of each mode (``bench.trace_summary`` table in
 ``DIR/graph_trace.md``), to see where the GPU time of each goes.
 
 The small config (8 layers, hidden 512, micro-batch 2, seq 256, vocab 8192) is launch-bound: its
@@ -117,7 +118,10 @@ def _data(cfg: GPTConfig, env: Env, micro_batch: int) -> tuple[torch.Tensor, tor
 
 
 def _timed(env: Env, step: Callable[[], torch.Tensor], warmup: int, steps: int) -> tuple[float, list[float]]:
+    """Median step seconds (max over ranks) and the losses; the allocator's peak is reset after
+    the warm-up, so ``runtime.peak_allocated`` then gives the timed steps' peak."""
     losses = [float(step()) for _ in range(warmup)]
+    runtime.reset_peak(env)
     timer = runtime.StepTimer(env)
     timer.mark()
     for _ in range(steps):
@@ -177,7 +181,9 @@ def run_config(env: Env, name: str, capture: Callable, warmup: int, steps: int,
         step = (_replay_step(capture(model, opt, step_fn, (inputs, target), warmup=3)) if mode in REPLAYED
                 else _eager_step(step_fn, opt, inputs, target, set_to_none=not MODES[mode][0]))
         step_s, losses = _timed(env, step, warmup, steps)
-        rows.append({"config": name, "mode": mode, "rep": rep, "step_ms": 1e3 * step_s, "loss_first": losses[0],
+        peak = runtime.all_max(env, [runtime.peak_allocated(env) / runtime.GIB])[0]
+        rows.append({"config": name, "mode": mode, "rep": rep, "step_ms": 1e3 * step_s, "peak_gib": peak,
+                     "loss_first": losses[0],
                      "loss_last": losses[-1], "finite": all(math.isfinite(x) for x in losses)})
         if trace_dir is not None and rep == 1:
             _profile(env, step, trace_dir / f"graph_{name}_{mode}.json.gz" if env.rank == 0 else None)
@@ -207,6 +213,7 @@ def median_rows(rows: list[dict]) -> list[dict]:
         agg = out.setdefault(key, {**r, "times": []})
         agg["times"].append(r["step_ms"])
         agg["finite"] = agg["finite"] and r["finite"]
+        agg["peak_gib"] = max(agg["peak_gib"], r["peak_gib"])
     for agg in out.values():
         agg["step_ms"] = statistics.median(agg["times"])
     return list(out.values())
@@ -215,13 +222,13 @@ def median_rows(rows: list[dict]) -> list[dict]:
 def markdown(rows: list[dict], header: str) -> str:
     rows = median_rows(rows)
     eager = {r["config"]: r["step_ms"] for r in rows if r["mode"] == "eager"}
-    lines = [header, "", "| config | mode | reps | step ms (median) | min–max | eager / this | loss first → last |",
-             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = [header, "", "| config | mode | reps | step ms (median) | min–max | eager / this | peak GiB "
+             "| loss first → last |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         flag = "" if r["finite"] else " NON-FINITE"
         ratio = f"{eager[r['config']] / r['step_ms']:.2f}×" if r["config"] in eager else "–"
         lines.append(f"| {r['config']} | {r['mode']} | {len(r['times'])} | {r['step_ms']:.2f} | "
-                     f"{min(r['times']):.2f}–{max(r['times']):.2f} | {ratio} "
+                     f"{min(r['times']):.2f}–{max(r['times']):.2f} | {ratio} | {r['peak_gib']:.2f} "
                      f"| {r['loss_first']:.4f} → {r['loss_last']:.4f}{flag} |")
     return "\n".join(lines) + "\n"
 
