@@ -4,7 +4,8 @@ fails here, before anything is allocated or captured, with a message saying what
 What graph mode changes in the engine (``unit.py``, ``engine.py``, ``grad_staging.py``,
 ``unshard_storage.py``): persistent engine buffers, ZeRO-3 compute params in fixed storage,
 ZeRO-1/2 compute params refreshed on every forward (no version-counter agreement), no
-``record_stream``, and ``zero_grad(set_to_none=True)`` refused.
+``record_stream``, ``zero_grad(set_to_none=True)`` refused, and FP8 parameters requantised in
+every root pre-forward (``engine.py``).
 """
 from __future__ import annotations
 

@@ -49,9 +49,10 @@ L0_CELLS = (
     # FP8 (torch-native, CPU too): one amax all-reduce per step; the TE path through a stand-in
     "test_fp8.py::test_one_amax_all_reduce_per_step[delayed]",
     "test_fp8_te_standin.py::test_te_fp8_params_with_stand_in[regather]",
-    # GPU only (they skip on CPU naming CUDA or TransformerEngine): CUDA-graph replay on 2 ranks,
-    # TE FP8 params, the TE seed's quantized model, decoupled grads with TE's FusedAdam
+    # GPU only (they skip on CPU naming CUDA or TransformerEngine): CUDA-graph replay on 2 ranks
+    # (bf16, and TE FP8 parameters), TE FP8 params, the TE seed's quantized model, decoupled grads with TE's FusedAdam
     "test_cuda_graph.py::test_replay_matches_eager_world2[zero3-plain-float32-adamw-full]",
+    "test_cuda_graph_fp8.py::test_fp8_replay_matches_eager_world2[te-current-zero3-keep]",
     "test_fp8_te.py::test_te_fp8_params[current-fsdp2-eager]",
     "test_fp8_te_seed.py::test_fully_shard_te_quantized[False-current-mesh1211]",
     "test_fp8_te_cast.py::test_current_scaling_cast_equals_te[shape0-1.0]",

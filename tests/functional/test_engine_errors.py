@@ -8,8 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdp_impl import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
-from fsdp_impl.fp8 import CurrentScaling, convert_to_fp8
+from fsdp_impl import fully_shard, fully_shard_model, fully_shard_optimizer
 from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common.models import build_model
@@ -136,22 +135,6 @@ def test_meta_module_without_reset_parameters(dist_env) -> None:
         module = NoReset()
     with pytest.raises(ValueError, match=r"has meta-device tensors but no reset_parameters\(\)"):
         fully_shard_model(module, init_model_with_meta_device=True)
-
-
-def _fp8_params_model() -> nn.Module:
-    return convert_to_fp8(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)), CurrentScaling(),
-                          fp8_params=True)
-
-
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(cuda_graph_mode=True), r"cuda_graph_mode=True with FP8 parameters is not implemented yet"),
-])
-def test_unimplemented_features_raise_not_implemented(kwargs, match, dist_env) -> None:
-    """Raised at wrap time, before anything is allocated, whatever the device."""
-    model = _fp8_params_model()
-    with pytest.raises(NotImplementedError, match=match):
-        fully_shard_model(model, zero_dp_strategy="optim_grads_params",
-                          mixed_precision_policy=MixedPrecisionPolicy(main_params_dtype=torch.float32), **kwargs)
 
 
 def test_fp8_transpose_cache_without_fp8_params_is_refused(dist_env) -> None:

@@ -6,8 +6,8 @@ from bench.cuda_graph_bench import markdown, median_rows
 
 def _rows() -> list[dict]:
     times = [("eager", 10.0), ("graph", 2.0), ("eager", 12.0), ("graph", 3.0), ("eager", 11.0), ("graph", 2.5)]
-    return [{"config": "small", "mode": m, "rep": i // 2 + 1, "step_ms": t, "peak_gib": 1.0 + i, "loss_first": 9.0, "loss_last": 7.0,
-             "finite": True} for i, (m, t) in enumerate(times)]
+    return [{"config": "small", "mode": m, "rep": i // 2 + 1, "step_ms": t, "peak_gib": 1.0 + i,
+             "loss_first": 9.0, "loss_last": 7.0, "finite": True} for i, (m, t) in enumerate(times)]
 
 
 def test_median_over_repetitions_and_ratio() -> None:
