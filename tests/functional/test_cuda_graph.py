@@ -46,6 +46,7 @@ from tests.functional.common.graph_training import (
     full_params,
     local_grads,
     make_step_fn,
+    warmup_then_steps,
     wrap,
 )
 
@@ -82,17 +83,8 @@ def _wrap(case: GraphCase, device: torch.device, pool: bool) -> tuple[FullyShard
 
 def _eager(case: GraphCase, device: torch.device, pool: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     model, opt = _wrap(case, device, pool)
-    step_fn = make_step_fn(model)
-    warm = batch(0, device, case.dtype)
-    for _ in range(WARMUP):  # exactly what capture_train_step's warm-up runs
-        opt.zero_grad(set_to_none=False)
-        step_fn(*warm)
-        opt.step()
-    losses = []
-    for k in range(STEPS):
-        opt.zero_grad(set_to_none=False)
-        losses.append(step_fn(*batch(k + 1, device, case.dtype)).detach().clone())
-        opt.step()
+    losses = warmup_then_steps(opt, make_step_fn(model), batch(0, device, case.dtype), WARMUP,
+                               [batch(k + 1, device, case.dtype) for k in range(STEPS)])
     return losses, full_params(model)
 
 

@@ -43,6 +43,7 @@ from fsdp_impl.optim import AdamW
 from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common import fp8_training as native
+from tests.functional.common.graph_training import assert_params_equal, full_params, warmup_then_steps
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.matrix(dtype="bf16", graph="cuda_graph")]
 
@@ -130,23 +131,11 @@ def wrap(case: Fp8GraphCase, device: torch.device) -> tuple[nn.Module, torch.opt
     return model, opt, step_fn
 
 
-def _main_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().float().clone() for n, p in model.module.named_parameters()}
-
-
 def _eager(case: Fp8GraphCase, device: torch.device) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     model, opt, step_fn = wrap(case, device)
-    warm = _batch(case, 0, device)
-    for _ in range(WARMUP):
-        opt.zero_grad(set_to_none=False)
-        step_fn(*warm)
-        opt.step()
-    losses = []
-    for k in range(STEPS):
-        opt.zero_grad(set_to_none=False)
-        losses.append(step_fn(*_batch(case, k + 1, device)).detach().clone())
-        opt.step()
-    return losses, _main_params(model)
+    losses = warmup_then_steps(opt, step_fn, _batch(case, 0, device), WARMUP,
+                               [_batch(case, k + 1, device) for k in range(STEPS)])
+    return losses, full_params(model)
 
 
 def _replay(case: Fp8GraphCase, device: torch.device) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -157,7 +146,7 @@ def _replay(case: Fp8GraphCase, device: torch.device) -> tuple[list[torch.Tensor
     for k in range(STEPS):
         captured.copy_inputs(*_batch(case, k + 1, device))
         losses.append(captured.replay().detach().clone())
-    params = _main_params(model)
+    params = full_params(model)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     for k in range(EXTRA):
@@ -176,8 +165,7 @@ def check_fp8_replay_matches_eager(case: Fp8GraphCase, device: torch.device) -> 
     for k, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         assert torch.equal(a, b), f"step {k}: replay loss {a.item()!r} != eager {b.item()!r}"
     assert len({float(x) for x in losses}) == len(losses), f"losses repeat: {[float(x) for x in losses]}"
-    bad = [n for n in ref_params if not torch.equal(params[n], ref_params[n])]
-    assert not bad, f"replay vs eager: {len(bad)} main params differ, e.g. {bad[0]!r}"
+    assert_params_equal(params, ref_params, "replay vs eager (fp32 main params)")
 
 
 @pytest.mark.distributed(world_size=1, timeout=600)

@@ -127,6 +127,23 @@ def eager_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, devi
     return losses
 
 
+def warmup_then_steps(opt: torch.optim.Optimizer, step_fn: Callable[..., torch.Tensor], warm: tuple[torch.Tensor, ...],
+                      warmup: int, batches: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+    """The eager twin of ``capture_train_step`` + replays: ``warmup`` steps on ``warm`` (what the
+    capture's warm-up runs), then one step per batch; each step is ``zero_grad(set_to_none=False)``,
+    ``step_fn``, ``opt.step()``. Returns the per-batch losses."""
+    for _ in range(warmup):
+        opt.zero_grad(set_to_none=False)
+        step_fn(*warm)
+        opt.step()
+    losses = []
+    for b in batches:
+        opt.zero_grad(set_to_none=False)
+        losses.append(step_fn(*b).detach().clone())
+        opt.step()
+    return losses
+
+
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in model.module.named_parameters()}
 
