@@ -33,8 +33,12 @@ def profile(env: Env, trainee: impls.Trainee, path: Path | None, steps: int) -> 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.is_cuda else [])
     with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
                  record_shapes=False, with_stack=False, profile_memory=False) as prof:
-        for _ in range(1 + steps):
+        for i in range(1 + steps):
             trainee.step()
+            if i == 0:
+                # Drain the warm-up step first: a host running ahead of the GPU would otherwise leave
+                # its kernels (e.g. the whole optimizer step) executing inside the recorded window.
+                runtime.sync(env)
             prof.step()
         runtime.sync(env)
     if path is not None:

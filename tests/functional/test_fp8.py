@@ -198,7 +198,7 @@ def test_one_amax_all_reduce_per_step(recipe: str, dist_env) -> None:
 
     ft.train_fsdp(model, opt, dist_env.rank, 3, MICRO, dist_env.device, record=record)
     assert [c.count("all_reduce") for c in counters.values()] == [1, 1, 1], \
-        [c.summary() for c in counters.values()]
+        [(c.summary(), c.where("all_reduce")) for c in counters.values()]
 
 
 @W2

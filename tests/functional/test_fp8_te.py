@@ -202,7 +202,8 @@ def test_te_fp8_params(recipe_name: str, mesh: str, meta: bool, dist_env) -> Non
     if bf16_bytes:  # world 1 still gathers (a one-rank group), so both are counted
         assert fp8_bytes <= FP8_GATHER_RATIO * bf16_bytes, (fp8_bytes, bf16_bytes)
     if recipe_name in ("current", "block"):
-        assert [c.count("all_reduce") for c in counters] == [1] * STEPS, [c.summary() for c in counters]
+        assert [c.count("all_reduce") for c in counters] == [1] * STEPS, \
+            [(c.summary(), c.where("all_reduce")) for c in counters]
     forward_backward(model, recipe, slot)
     assert_grads_on_owned_shards(model)
 
