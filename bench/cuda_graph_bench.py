@@ -47,7 +47,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` importable
 import torch
 import torch.nn.functional as F
 
-from bench import impls, runtime
+from bench import impls, runtime, trace
 from bench.gpt import GPT, Block, GPTConfig
 from bench.runtime import Env
 
@@ -149,20 +149,6 @@ def _eager_step(step_fn: Callable, opt: torch.optim.Optimizer, inputs: torch.Ten
     return step
 
 
-def _profile(env: Env, step: Callable[[], torch.Tensor], path: Path | None) -> None:
-    """3 profiled steps after one warm-up step; rank 0 exports the chrome trace."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                 schedule=schedule(wait=0, warmup=1, active=3, repeat=1)) as prof:
-        for _ in range(4):
-            step()
-            prof.step()
-        torch.cuda.synchronize()
-    if path is not None:
-        prof.export_chrome_trace(str(path))
-
-
 def run_config(env: Env, name: str, capture: Callable, warmup: int, steps: int,
                trace_dir: Path | None = None, modes: list[str] | None = None, rep: int = 1) -> list[dict]:
     cfg, mb = CONFIGS[name]
@@ -186,7 +172,7 @@ def run_config(env: Env, name: str, capture: Callable, warmup: int, steps: int,
                      "loss_first": losses[0],
                      "loss_last": losses[-1], "finite": all(math.isfinite(x) for x in losses)})
         if trace_dir is not None and rep == 1:
-            _profile(env, step, trace_dir / f"graph_{name}_{mode}.json.gz" if env.rank == 0 else None)
+            trace.profile(env, step, trace_dir / f"graph_{name}_{mode}.json.gz" if env.rank == 0 else None, 3)
         del model, opt, step
         runtime.free_memory(env)
     return rows

@@ -26,15 +26,15 @@ from bench import impls, memory, runtime, trace_summary
 from bench.runtime import Env
 
 
-def profile(env: Env, trainee: impls.Trainee, path: Path | None, steps: int) -> None:
-    """Profile 1 + ``steps`` steps (the first is the profiler's warm-up); export to ``path``."""
+def profile(env: Env, step: Callable[[], object], path: Path | None, steps: int) -> None:
+    """Profile 1 + ``steps`` calls of ``step`` (the first is the profiler's warm-up); export to ``path``."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.is_cuda else [])
     with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
                  record_shapes=False, with_stack=False, profile_memory=False) as prof:
         for i in range(1 + steps):
-            trainee.step()
+            step()
             if i == 0:
                 # Drain the warm-up step first: a host running ahead of the GPU would otherwise leave
                 # its kernels (e.g. the whole optimizer step) executing inside the recorded window.
@@ -55,7 +55,7 @@ def _one(env: Env, name: str, size: str, micro_batch: int, warmup: int, steps: i
     mem = memory.measure(name, trainee, env)
     mem.numbers["after_build"] = after_build
     path = out_dir / f"trace_{name}.json.gz" if env.rank == 0 else None
-    profile(env, trainee, path, steps)
+    profile(env, trainee.step, path, steps)
     del trainee
     runtime.free_memory(env)
     return mem, path

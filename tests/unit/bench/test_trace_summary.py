@@ -190,3 +190,17 @@ def test_write_report_from_gpu_like_traces(tmp_path) -> None:
     assert "| all-gather exposed | 0.01 (16.1%) | 0.01 (16.1%) |" in md
     assert "Steps profiled: ours-z3: 2; fsdp2: 2" in md
     assert "| at rest (after zero_grad) | 1.000 | – |" in md
+
+
+def test_profile_drains_the_warm_up_step_before_recording(tmp_path, monkeypatch) -> None:
+    """The warm-up step is synchronised before the recorded window opens (else a host running ahead
+    leaves its kernels in the window): one sync after it, one at the end; 1 + steps calls."""
+    import torch
+
+    from bench import runtime, trace
+    calls: list[str] = []
+    monkeypatch.setattr(runtime, "sync", lambda env: calls.append("sync"))
+    env = runtime.Env(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+    trace.profile(env, lambda: calls.append("step"), tmp_path / "t.json", 2)
+    assert calls == ["step", "sync", "step", "step", "sync"], calls
+    assert (tmp_path / "t.json").stat().st_size > 0
