@@ -140,10 +140,13 @@ def _fsdp2(reshard: bool, module: nn.Module, env: Env):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # The run's device, explicitly: FSDP2's default mesh is CUDA whenever CUDA is available, also
+    # under ``--device cpu`` (gloo) on a GPU node.
+    mesh = _mesh(env.device.type, (env.world,), ("dp",))
     blocks: nn.ModuleList = module.blocks  # type: ignore[assignment]
     for blk in blocks:
-        fully_shard(blk, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(module, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(blk, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(module, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     return module, _adamw(module.parameters())
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from fsdp_impl import checkpoint
 from fsdp_impl.checkpoint import CheckpointMismatchError
 
 KILLED = 77
+CHILD_RAISED = 3
 USER_FILES = {"notes.txt": b"lr sweep: keep 3e-4", "eval/result.json": b'{"acc": 0.9}'}
 
 
@@ -106,14 +108,24 @@ CRASHES: list[tuple[Callable[[pytest.MonkeyPatch], None], int]] = [
 def _save_in_child_that_dies(path: Path, trainer: Trainer, crash: Callable[[pytest.MonkeyPatch], None]) -> int:
     pid = os.fork()
     if pid == 0:  # the child: install the crash point, save, and never return into pytest
+        code = 0
         try:
             with pytest.MonkeyPatch.context() as mp:
+                # A forked child cannot use CUDA once the parent initialised it (another test in this
+                # worker may have), and DCP's writer picks a CUDA-stream loader whenever CUDA is
+                # available: the model is on the CPU, so the child saves as on a CPU-only host.
+                mp.setattr(torch.cuda, "is_available", lambda: False)
                 crash(mp)
                 checkpoint.save(path, trainer.model, trainer.optimizer, extra={"v": 2})
+        except BaseException:
+            traceback.print_exc()
+            code = CHILD_RAISED
         finally:
-            os._exit(0)
+            os._exit(code)
     _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+    code = os.waitstatus_to_exitcode(status)
+    assert code != CHILD_RAISED, "the saving child raised before its crash point (traceback above)"
+    return code
 
 
 @pytest.mark.parametrize("crash,survivor", CRASHES, ids=[c.__name__.strip("_") for c, _ in CRASHES])

@@ -64,16 +64,17 @@ def _wrap(strategy: str) -> tuple[nn.Module, torch.optim.Optimizer, list[Storage
     return model, opt, originals
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 2) -> None:
+def _train(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device, steps: int = 2) -> None:
+    """Batches on ``device``: the engine computes on CUDA wherever the ranks run NCCL."""
     for step in range(steps):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
-        F.mse_loss(model(x), torch.zeros(4, 2)).backward()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(device)
+        F.mse_loss(model(x), torch.zeros(4, 2, device=device)).backward()
         opt.step()
         opt.zero_grad()
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_original_params_released_by_wrap(strategy: str, no_gc: None) -> None:
+def test_original_params_released_by_wrap(strategy: str, no_gc: None, dist_env) -> None:
     model, opt, originals = _wrap(strategy)
     alive = [i for i, ref in enumerate(originals) if not ref.expired()]
     assert not alive, f"original param storages {alive} survive fully_shard"
@@ -84,13 +85,13 @@ def test_original_params_released_by_wrap(strategy: str, no_gc: None) -> None:
     assert p.orig_id not in shards
     with pytest.raises(RuntimeError, match="original .* param was released"):
         _ = p.orig
-    _train(model, opt)  # still trains
+    _train(model, opt, dist_env.device)  # still trains
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_engine_and_buffers_freed_on_del(strategy: str, no_gc: None) -> None:
+def test_engine_and_buffers_freed_on_del(strategy: str, no_gc: None, dist_env) -> None:
     model, opt, _ = _wrap(strategy)
-    _train(model, opt)
+    _train(model, opt, dist_env.device)
     opt.zero_grad(set_to_none=False)  # keep the grad buffers allocated, so their storage is tracked
     engine = model._fsdp_engine
     ref = weakref.ref(engine)
@@ -104,31 +105,31 @@ def test_engine_and_buffers_freed_on_del(strategy: str, no_gc: None) -> None:
     assert not alive, f"engine buffer storages {alive} survive del model/optimizer"
 
 
-def test_inner_module_without_wrapper_raises(no_gc: None) -> None:
+def test_inner_module_without_wrapper_raises(no_gc: None, dist_env) -> None:
     model, opt, _ = _wrap("optim_grads_params")
     inner = model.module
     del model, opt
     with pytest.raises(RuntimeError, match="fully_shard wrapper was garbage collected"):
-        inner(torch.zeros(1, 8))
+        inner(torch.zeros(1, 8, device=dist_env.device))
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(step)
-    return torch.randn(4, 8, generator=gen), torch.randn(4, 8, generator=gen)
+    return torch.randn(4, 8, generator=gen).to(device), torch.randn(4, 8, generator=gen).to(device)
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 @pytest.mark.parametrize("decoupled", [False, True])
-def test_grads_reinstalled_after_set_to_none(strategy: str, decoupled: bool) -> None:
+def test_grads_reinstalled_after_set_to_none(strategy: str, decoupled: bool, dist_env) -> None:
     torch.manual_seed(0)
     module = nn.Sequential(Block(), Block())
-    ref = copy.deepcopy(module)
+    ref = copy.deepcopy(module).to(dist_env.device)
     model = fsdp_impl.fully_shard_model(module, fsdp_unit_modules=[Block], zero_dp_strategy=strategy,
                                         use_decoupled_grad=decoupled)
     params = list(model.parameters())
     first: list[torch.Tensor | None] = []
     for step in range(3):
-        x, y = _batch(step)
+        x, y = _batch(step, dist_env.device)
         F.mse_loss(model(x), y).backward()
         ref.zero_grad(set_to_none=True)
         F.mse_loss(ref(x), y).backward()
