@@ -117,10 +117,6 @@ def _save_in_child_that_dies(path: Path, trainer: Trainer, crash: Callable[[pyte
         code = 0
         try:
             with pytest.MonkeyPatch.context() as mp:
-                # A forked child cannot use CUDA once the parent initialised it (another test in this
-                # worker may have), and DCP's writer picks a CUDA-stream loader whenever CUDA is
-                # available: the model is on the CPU, so the child saves as on a CPU-only host.
-                mp.setattr(torch.cuda, "is_available", lambda: False)
                 crash(mp)
                 checkpoint.save(path, trainer.model, trainer.optimizer, extra={"v": 2})
         except BaseException:
