@@ -170,6 +170,24 @@ def _te_transformer(meta: bool) -> nn.Module:
     return ToyTETransformer(DIM_SIZE, 2, 2, DIM_SIZE, device="meta" if meta else "cuda")
 
 
+def _compile_blocker(reference: nn.Module) -> str | None:
+    """Why the *unwrapped* TE model does not compile here, or None. TE 2.20.2's attention backend
+    selection fails under dynamo on torch 2.11 (a tuple ``!=`` it cannot guard; seen on the H200
+    node), so a failure of the wrapped model is ours only when the reference compiles."""
+    import torch._dynamo
+    import transformer_engine
+    try:
+        with torch.no_grad():
+            torch.compile(reference)(torch.zeros(1, DIM_SIZE, DIM_SIZE, device="cuda"))
+    except torch._dynamo.exc.TorchDynamoException as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        return (f"the unwrapped TE model does not compile (transformer_engine {transformer_engine.__version__}, "
+                f"torch {torch.__version__}): {type(e).__name__}: {first}")
+    finally:
+        torch._dynamo.reset()
+    return None
+
+
 def _te_transformer_skip(strategy: str, outer: str | None, common: dict) -> str | None:
     if common["meta"] and strategy == "no_shard":
         return "meta-device init is not supported or needed for the 'no_shard'/0 strategy (seed rule)"
@@ -196,6 +214,9 @@ def test_fully_shard_te_transformer(dp_shard_strategy: str, dp_outer_strategy: s
                     if dp_outer_strategy is not None else
                     dict(device_mesh=mesh, dp_shard_dim="dp_shard_cp" if cp > 1 else "dp_shard", tp_dim="tp"))
     reference = _te_transformer(meta=False)
+    blocker = _compile_blocker(reference) if common["compile"] else None
+    if blocker:
+        pytest.skip(blocker)
     module = _te_transformer(common["meta"])
     model, optimizer = fully_shard(
         module, torch.optim.Adam(module.parameters(), lr=0.01), fsdp_unit_modules=_units()[:1],
