@@ -32,7 +32,8 @@ OPTIMIZER = "optimizer step temporaries"
 
 
 def _engine_category(name: str, filename: str) -> str:
-    if any(k in name.lower() for k in ("gather", "unshard", "prefetch")):
+    # alloc_storage: FSDP2 (re)allocates an unsharded param's storage there before its all-gather
+    if any(k in name.lower() for k in ("gather", "unshard", "prefetch", "alloc_storage")):
         return GATHERED
     text = f"{filename}:{name}".lower()
     if any(k in text for k in ("reduce", "scatter", "grad", "bucket")):

@@ -51,6 +51,7 @@ def test_replay_of_nothing() -> None:
     (GPT_FWD, mem.ACTIVATIONS),
     (OURS_GATHER, mem.GATHERED),
     (FSDP2_REDUCE, mem.GRADS),
+    ([{"filename": "/t/torch/distributed/fsdp/_fully_shard/_fsdp_param.py", "name": "alloc_storage"}], mem.GATHERED),
     ([], mem.BACKWARD),
     ([{"filename": "/t/torch/optim/adamw.py", "name": "_multi_tensor_adamw"}], mem.OPTIMIZER),
     ([{"filename": "/r/bench/impls.py", "name": "backward"}], mem.BACKWARD),
