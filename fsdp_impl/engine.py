@@ -106,8 +106,7 @@ class FSDPEngine:
         """ZeRO-1/2: start the refresh gather of the unit that ran after ``unit`` in the previous
         forward (the first one after the root), when it is stale. Stale flags are agreed on every
         rank and the forward order is the same everywhere, so all ranks issue the same gathers."""
-        order = self._prev_order
-        nxt = (order[0] if order else None) if unit is self.root else self._neighbour(unit, order, +1)
+        nxt = self._next_unit(unit, self._prev_order, +1)
         if nxt is not None and nxt.ctx.prefetch and self._stale.get(nxt, False):
             nxt.prefetch_refresh()
 
@@ -143,13 +142,21 @@ class FSDPEngine:
                 unit.unshard(backward=True)
                 self._prefetch_after(unit, self._order, -1)
 
-    @classmethod
-    def _prefetch_after(cls, unit: FSDPUnit, order: list[FSDPUnit], step: int) -> None:
+    def _prefetch_after(self, unit: FSDPUnit, order: list[FSDPUnit], step: int) -> None:
         """ZeRO-3: start the all-gather of the unit that runs after ``unit`` (forward: next in
         the previous forward order; backward: previous in this forward's order)."""
-        nxt = cls._neighbour(unit, order, step)
+        nxt = self._next_unit(unit, order, step)
         if nxt is not None and nxt.ctx.prefetch:  # prefetch=False: overlap_param_gather off
             nxt.prefetch()
+
+    def _next_unit(self, unit: FSDPUnit, order: list[FSDPUnit], step: int) -> FSDPUnit | None:
+        """The unit after ``unit`` in pass direction ``step``. The root opens both passes: the
+        first unit of ``order`` follows it in forward, the last in backward (its pre-backward
+        fires when the output's grad arrives, so the last unit's gather overlaps the backward
+        of the root's own layers after it, e.g. the LM head; FSDP2 does the same)."""
+        if unit is self.root:
+            return (order[0] if step > 0 else order[-1]) if order else None
+        return self._neighbour(unit, order, step)
 
     @staticmethod
     def _neighbour(unit: FSDPUnit, order: list[FSDPUnit], step: int) -> FSDPUnit | None:

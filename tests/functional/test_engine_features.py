@@ -307,6 +307,40 @@ def test_zero3_prefetches_next_unit_all_gather(dist_env, monkeypatch) -> None:
     assert [e[1] for e in bwd] == ["head", "conv2", "conv1"], bwd  # one gather per unit, in order
 
 
+@pytest.mark.matrix(model="gpt")
+def test_zero3_root_prefetches_first_and_last_unit(dist_env, monkeypatch) -> None:
+    """The root opens both passes: its pre-forward starts block 0's all-gather before the
+    embedding runs, and its pre-backward (the logits' grad) starts the last block's before the
+    backward of the root's own final norm, instead of when each block is reached."""
+    from fsdp_impl.unit import FSDPUnit
+
+    events = []
+    original = FSDPUnit._start_gather
+
+    def logged(self):
+        events.append(("gather", self.name))
+        return original(self)
+
+    monkeypatch.setattr(FSDPUnit, "_start_gather", logged)
+    module = build_model("gpt", seed=0, layers=3)
+    model = fully_shard_model(module, fsdp_unit_modules=list(unit_classes("gpt")))
+    gpt = model.module
+    gpt.tok.register_forward_hook(lambda *_: events.append(("forward", "tok")))
+    gpt.norm.register_full_backward_pre_hook(lambda *_: events.append(("backward", "norm")))
+    first, last = gpt.blocks[0], gpt.blocks[-1]
+    names = {m: n for n, m in gpt.named_modules()}
+    inputs, target = make_batch("gpt", 2, seed=0)
+    for _ in range(2):  # the forward prefetch follows the previous iteration's order
+        events.clear()
+        loss_fn("gpt")(model(*inputs), target).backward()
+    gathers = [e for e in events if e[0] == "gather"]
+    assert len(gathers) == 1 + 2 * 3, events  # the root once, every block in forward and in backward
+    assert events.index(("gather", names[first])) < events.index(("forward", "tok")), events
+    forward_gather, backward_gather = [i for i, e in enumerate(events) if e == ("gather", names[last])]
+    assert forward_gather < events.index(("backward", "norm")), events
+    assert backward_gather < events.index(("backward", "norm")), events
+
+
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
 @pytest.mark.matrix(zero=matrix.param("strategy", axes.zero))
 def test_zero_grad_keep_views_trains_like_reference(strategy, dist_env) -> None:

@@ -99,6 +99,16 @@ def refresh_prefetch_kept_across_steps() -> None:
     replace("fsdp_impl.unit:FSDPUnit.drop_prefetched_refresh", lambda original: lambda self: None)
 
 
+def root_prefetch_skipped() -> None:
+    """The root's pre-forward and pre-backward start no all-gather (block 0 and the last block
+    gather only when reached): correct numbers, one exposed gather per pass."""
+    def make(original: Any) -> Any:
+        def next_unit(self: Any, unit: Any, order: list, step: int) -> Any:
+            return None if unit is self.root else original(self, unit, order, step)
+        return next_unit
+    replace("fsdp_impl.engine:FSDPEngine._next_unit", make)
+
+
 def grads_summed_not_averaged() -> None:
     """Gradients are summed across data-parallel ranks instead of averaged (world-size x too large;
     Adam hides much of it, SGD does not): the default pre-division by the dp size is skipped, and
@@ -262,6 +272,8 @@ MUTANTS = (
            ("tests/unit/fsdp/test_graph_mode_cpu.py", "-k", "test_zeroed_grad_buffers_are_overwritten")),
     Mutant("refresh_prefetch_kept_across_steps", "ZeRO-1/2 prefetched refresh gather used after the next step",
            ("tests/unit/fsdp/test_refresh_prefetch.py", "-k", "test_unused_prefetch")),
+    Mutant("root_prefetch_skipped", "ZeRO-3 root starts no prefetch (first/last unit gathered late)",
+           (F + "test_engine_features.py", "-k", "test_zero3_root_prefetches_first_and_last_unit")),
     Mutant("hsdp_outer_reduce_every_microbatch", "HSDP outer reduce on every microbatch",
            (F + "test_mesh_world2.py", "-k", "test_hsdp_world2")),
     Mutant("hsdp_outer_reduce_never", "HSDP outer reduce never",
