@@ -1,13 +1,9 @@
 """Run multi-rank GPU test functions as N processes sharing ONE GPU, for when no multi-GPU machine is lent.
 
-NCCL refuses two ranks on one GPU, so the ranks use gloo, and the four collectives the engine
-calls (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``broadcast``) are
-replaced by versions that stage CUDA tensors through host memory; ``DTensor.full_tensor`` (which
-tests use, and whose functional collectives crash gloo on CUDA tensors) gathers on the host too,
-and meshes ``fully_shard`` builds itself are put on CUDA. This is a development probe, not a
-substitute for the NCCL run: it checks what does not depend on the transport (collective counts
-and groups, losses, grads, errors), never speed, and it swaps module attributes of
-``torch.distributed``, which nothing in the product may do.
+The ranks use gloo with collectives staged through host memory (``bench/shared_gpu.py`` says how
+and what that can show). This is a development probe, not a substitute for the NCCL run: it
+checks what does not depend on the transport (collective counts and groups, losses, grads,
+errors), never speed.
 
     python -m tests.tools.world2_on_one_gpu [--world 2] CASE [CASE ...]
 
@@ -33,52 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-STAGED_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast")
 NAMED: dict[str, Any] = {
     "torch.float32": torch.float32,
     "EAGER": dict(fp32_main=False, meta=False, compile=False),
     "META_COMPILE": dict(fp32_main=True, meta=True, compile=True),
 }
-
-
-def staged(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with CUDA tensor arguments copied to the host, and results copied back, synchronously."""
-    def call(*args: Any, **kwargs: Any) -> None:
-        host_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
-        host_kwargs = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        host_kwargs.pop("async_op", None)  # done when it returns; callers here only use the sync form
-        fn(*host_args, **host_kwargs)
-        for a, h in zip(args, host_args, strict=True):
-            if isinstance(a, torch.Tensor) and a.is_cuda:
-                a.copy_(h)
-        for k, v in kwargs.items():
-            if isinstance(v, torch.Tensor) and v.is_cuda:
-                v.copy_(host_kwargs[k])
-    return call
-
-
-def host_full_tensor(self: Any, *, grad_placements: Any = None) -> torch.Tensor:
-    """``DTensor.full_tensor`` through ``all_gather_object`` (shards of any size, one mesh dim at a time)."""
-    local, mesh = self.to_local(), self.device_mesh
-    for dim, placement in enumerate(self.placements):
-        if mesh.size(dim) == 1 or placement.is_replicate():
-            continue
-        if not placement.is_shard():
-            raise NotImplementedError(f"host full_tensor: placement {placement} on mesh dim {dim}")
-        parts: list[Any] = [None] * mesh.size(dim)
-        dist.all_gather_object(parts, local.detach().cpu(), group=mesh.get_group(dim))
-        local = torch.cat(parts, dim=placement.dim).to(self.device)
-    return local
-
-
-def install_emulation() -> None:
-    from torch.distributed.tensor import DTensor
-
-    import fsdp_impl.mesh
-    for op in STAGED_OPS:
-        setattr(dist, op, staged(getattr(dist, op)))
-    DTensor.full_tensor = host_full_tensor  # type: ignore[method-assign]
-    fsdp_impl.mesh.default_device_type = lambda: "cuda"  # type: ignore[attr-defined]
 
 
 def resolve(case: str) -> tuple[Callable[..., Any], list[Any], bool]:
@@ -108,6 +63,7 @@ def run_cases(rank: int, world: int, port: int, cases: list[str], failures: Any)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    from bench.shared_gpu import install_emulation
     install_emulation()
     from harness.context import DistEnv
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cuda", 0), backend="gloo")

@@ -1,4 +1,4 @@
-"""tests/tools/world2_on_one_gpu: case parsing, and its host-side ``full_tensor`` against DTensor's own.
+"""tests/tools/world2_on_one_gpu's case parsing, and bench/shared_gpu's host ``full_tensor`` against DTensor's own.
 
 The tool itself needs a GPU; these parts do not, and a wrong gather would make every emulated
 comparison wrong, so it is checked against ``DTensor.full_tensor`` (gloo, CPU) on uneven shards.
@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from bench import shared_gpu
 from tests.tools import world2_on_one_gpu as tool
 
 
@@ -37,5 +38,5 @@ def test_host_full_tensor_equals_dtensor_full_tensor(rows: int, placement, dist_
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
     dt = distribute_tensor(full, mesh, [placement])
-    got = tool.host_full_tensor(dt)
+    got = shared_gpu.host_full_tensor(dt)
     assert torch.equal(got, dt.full_tensor()) and torch.equal(got, full)
