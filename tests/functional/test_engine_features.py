@@ -278,12 +278,11 @@ def test_torch_compile_runs_and_matches_eager(dist_env) -> None:
     assert err <= RTOL, f"{where}: {err:.3g}"
 
 
-def test_zero3_prefetches_next_unit_all_gather(dist_env, monkeypatch) -> None:
-    """From the second iteration on, unit k+1's all-gather is issued before unit k's forward runs
-    (forward prefetch) and unit k-1's before unit k's backward ends (backward prefetch)."""
+def _log_gathers(monkeypatch) -> list[tuple[str, str]]:
+    """A list that gets ("gather", unit name) each time a unit starts an all-gather."""
     from fsdp_impl.unit import FSDPUnit
 
-    events = []
+    events: list[tuple[str, str]] = []
     original = FSDPUnit._start_gather
 
     def logged(self):
@@ -291,6 +290,13 @@ def test_zero3_prefetches_next_unit_all_gather(dist_env, monkeypatch) -> None:
         return original(self)
 
     monkeypatch.setattr(FSDPUnit, "_start_gather", logged)
+    return events
+
+
+def test_zero3_prefetches_next_unit_all_gather(dist_env, monkeypatch) -> None:
+    """From the second iteration on, unit k+1's all-gather is issued before unit k's forward runs
+    (forward prefetch) and unit k-1's before unit k's backward ends (backward prefetch)."""
+    events = _log_gathers(monkeypatch)
     module = build_model("cnn", seed=0)
     model = fully_shard_model(module, fsdp_unit_modules=list(unit_classes("cnn")))
     for name in ("conv1", "conv2", "head"):
@@ -312,31 +318,20 @@ def test_zero3_root_prefetches_first_and_last_unit(dist_env, monkeypatch) -> Non
     """The root opens both passes: its pre-forward starts block 0's all-gather before the
     embedding runs, and its pre-backward (the logits' grad) starts the last block's before the
     backward of the root's own final norm, instead of when each block is reached."""
-    from fsdp_impl.unit import FSDPUnit
-
-    events = []
-    original = FSDPUnit._start_gather
-
-    def logged(self):
-        events.append(("gather", self.name))
-        return original(self)
-
-    monkeypatch.setattr(FSDPUnit, "_start_gather", logged)
+    events = _log_gathers(monkeypatch)
     module = build_model("gpt", seed=0, layers=3)
     model = fully_shard_model(module, fsdp_unit_modules=list(unit_classes("gpt")))
     gpt = model.module
     gpt.tok.register_forward_hook(lambda *_: events.append(("forward", "tok")))
     gpt.norm.register_full_backward_pre_hook(lambda *_: events.append(("backward", "norm")))
-    first, last = gpt.blocks[0], gpt.blocks[-1]
-    names = {m: n for n, m in gpt.named_modules()}
     inputs, target = make_batch("gpt", 2, seed=0)
     for _ in range(2):  # the forward prefetch follows the previous iteration's order
         events.clear()
         loss_fn("gpt")(model(*inputs), target).backward()
     gathers = [e for e in events if e[0] == "gather"]
     assert len(gathers) == 1 + 2 * 3, events  # the root once, every block in forward and in backward
-    assert events.index(("gather", names[first])) < events.index(("forward", "tok")), events
-    forward_gather, backward_gather = [i for i, e in enumerate(events) if e == ("gather", names[last])]
+    assert events.index(("gather", "blocks.0")) < events.index(("forward", "tok")), events
+    forward_gather, backward_gather = [i for i, e in enumerate(events) if e == ("gather", "blocks.2")]
     assert forward_gather < events.index(("backward", "norm")), events
     assert backward_gather < events.index(("backward", "norm")), events
 
