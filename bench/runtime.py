@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -119,7 +120,12 @@ def rank0_decides(env: Env, decision: bool) -> bool:
 
 
 def free_memory(env: Env) -> None:
-    """Drop what the last cell left: reference cycles first (hooks, closures), then cached blocks."""
+    """Drop what the last cell left: TransformerEngine's global FP8 state (it keeps every
+    delayed-scaling module's amax buffers, alive and all-reduced at each later FP8 step), reference
+    cycles (hooks, closures), then cached blocks."""
+    te_state = sys.modules.get("transformer_engine.pytorch.quantization")
+    if te_state is not None and hasattr(te_state, "FP8GlobalStateManager"):
+        te_state.FP8GlobalStateManager.reset()
     gc.collect()
     if env.is_cuda:
         torch.cuda.synchronize(env.device)
