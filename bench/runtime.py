@@ -119,13 +119,25 @@ def rank0_decides(env: Env, decision: bool) -> bool:
     return bool(t.item())
 
 
+def reset_te_fp8_state() -> None:
+    """Reset TransformerEngine's process-global FP8 state (a no-op until TE is imported).
+
+    TE registers every delayed-scaling module's amax buffers there and, at each FP8 autocast exit
+    and first-module backward, all-reduces all of them (world size > 1), also those of models
+    built earlier in the process: a later model then pays extra all-reduces and keeps the old
+    buffers alive (TE 2.20.2, ``quantization.py``). Call it only when no TE model is in use."""
+    module = (sys.modules.get("transformer_engine.pytorch.quantization")
+              or sys.modules.get("transformer_engine.pytorch.fp8"))
+    manager = getattr(module, "FP8GlobalStateManager", None)
+    if manager is not None:
+        manager.reset()
+
+
 def free_memory(env: Env) -> None:
     """Drop what the last cell left: TransformerEngine's global FP8 state (it keeps every
     delayed-scaling module's amax buffers, alive and all-reduced at each later FP8 step), reference
     cycles (hooks, closures), then cached blocks."""
-    te_state = sys.modules.get("transformer_engine.pytorch.quantization")
-    if te_state is not None and hasattr(te_state, "FP8GlobalStateManager"):
-        te_state.FP8GlobalStateManager.reset()
+    reset_te_fp8_state()
     gc.collect()
     if env.is_cuda:
         torch.cuda.synchronize(env.device)

@@ -76,11 +76,16 @@ def install_emulation() -> None:
     fsdp_impl.mesh.default_device_type = lambda: "cuda"  # type: ignore[attr-defined]
 
 
-def _measure(rank: int, world: int, port: int, size: str, names: list[str]) -> None:
+def init_rank(rank: int, world: int, port: int) -> None:
+    """Join the gloo group of ranks sharing GPU 0 and install the emulation (in each spawned rank)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     install_emulation()
+
+
+def _measure(rank: int, world: int, port: int, size: str, names: list[str]) -> None:
+    init_rank(rank, world, port)
     from bench import impls, memory, runtime
     env = runtime.Env(rank, world, 0, torch.device("cuda", 0))
     reports = []

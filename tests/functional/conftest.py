@@ -85,18 +85,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(autouse=True)
 def _fresh_transformer_engine_fp8_state() -> None:
-    """Start every test from TransformerEngine's initial FP8 state (a no-op until TE is imported).
+    """Start every test from TransformerEngine's initial FP8 state. A rank process runs many
+    tests; without this, after a delayed-scaling test each later step of any recipe issued two
+    extra all-reduces (the "3 all-reduces per step" the 2-GPU run of ``test_fp8_te.py`` saw for
+    current scaling after the delayed cases). ``bench.runtime.reset_te_fp8_state`` says why."""
+    from bench.runtime import reset_te_fp8_state
 
-    TE keeps delayed-scaling amax buffers in process-global state (``FP8GlobalStateManager``)
-    and, at every FP8 autocast exit and first-module backward, all-reduces *every* buffer it
-    holds (world size > 1), also those of modules from earlier tests. A rank process runs many
-    tests, so after a delayed-scaling test each later step of any recipe issued two extra
-    all-reduces: the "3 all-reduces per step" the 2-GPU run of ``test_fp8_te.py`` saw for
-    current scaling after the delayed cases (TE 2.20.2, ``quantization.py``)."""
-    import sys
-
-    module = sys.modules.get("transformer_engine.pytorch.quantization") or sys.modules.get(
-        "transformer_engine.pytorch.fp8")
-    manager = getattr(module, "FP8GlobalStateManager", None)
-    if manager is not None:
-        manager.reset()
+    reset_te_fp8_state()

@@ -9,8 +9,8 @@ errors), never speed.
 
 A CASE is ``module.function[:arg...]`` or ``module.Class.method[:arg...]`` under
 ``tests/functional``; the ``dist_env`` fixture is passed last (first for methods, as pytest's
-``self, dist_env`` order), args are names in ``NAMED``, Python literals, or bare words (strings). Every case runs on
-every rank; each prints ``[rN] PASS|FAIL|SKIP case``. A crash (segfault, CUDA error) poisons
+``self, dist_env`` order), args are names in ``NAMED``, Python literals, or bare words (strings).
+Every case runs on every rank; each prints ``[rN] PASS|FAIL|SKIP case``. A crash (segfault, CUDA error) poisons
 the processes: run suspicious cases in their own invocation. Exit status 1 if any case failed.
 """
 from __future__ import annotations
@@ -60,12 +60,10 @@ def parse_arg(text: str) -> Any:
 
 
 def run_cases(rank: int, world: int, port: int, cases: list[str], failures: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from bench.shared_gpu import install_emulation
-    install_emulation()
+    from bench.shared_gpu import init_rank
     from harness.context import DistEnv
+
+    init_rank(rank, world, port)
     env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cuda", 0), backend="gloo")
     for case in cases:
         try:
