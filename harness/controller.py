@@ -133,10 +133,11 @@ class Controller:
     def run_item(self, item: pytest.Item, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
         """Run one distributed item in its bucket; return its reports without logging them."""
         try:
-            return self._run(item, item.stash[BUCKET_KEY], nextitem)
+            reports = self._run(item, item.stash[BUCKET_KEY], nextitem)
         except BaseException:
             self.close_active(graceful=False)
             raise
+        return teardown_local_scopes(item, nextitem, reports)
 
     def _run(self, item: pytest.Item, key: BucketKey, nextitem: pytest.Item | None) -> list[pytest.TestReport]:
         if self.active is not None and (self.active_key != key or not self.active.alive):
@@ -278,3 +279,20 @@ def _interrupt_on_sigterm() -> Any:
 
 
 ITEMS_KEY = pytest.StashKey[list]()
+
+
+def teardown_local_scopes(item: pytest.Item, nextitem: pytest.Item | None,
+                          reports: list[pytest.TestReport]) -> list[pytest.TestReport]:
+    """Tear down, in this process, the scopes ``nextitem`` does not share, as pytest's own
+    teardown phase does after every item.
+
+    A distributed item runs in the ranks, so this process never set up or tore down anything for
+    it; but a local test before it in the same module (or class) left that module set up here.
+    Without this, its module fixtures would be finalised late, and the next module's first test
+    would error ("previous item was not torn down properly"). An error of such a finaliser
+    becomes this item's teardown report, as it would for a local item."""
+    call = pytest.CallInfo.from_call(lambda: item.session._setupstate.teardown_exact(nextitem),
+                                     when="teardown")
+    if call.excinfo is None:
+        return reports
+    return [r for r in reports if r.when != "teardown"] + [pytest.TestReport.from_item_and_call(item, call)]

@@ -7,8 +7,9 @@ from harness_selftest import SampleRun, run_samples, run_samples_once
 
 @pytest.fixture(scope="session")
 def features_run(tmp_path_factory: pytest.TempPathFactory) -> SampleRun:
-    return run_samples_once(tmp_path_factory, "features", "sample_fixtures.py", "sample_requirements.py",
-                            "sample_forked.py", "sample_state_leak.py")
+    return run_samples_once(tmp_path_factory, "features", "sample_fixtures.py", "sample_mixed_module.py",
+                            "sample_mixed_next.py", "sample_requirements.py", "sample_forked.py",
+                            "sample_state_leak.py")
 
 
 def test_fixture_and_param_cases_pass(features_run: SampleRun):
@@ -18,6 +19,16 @@ def test_fixture_and_param_cases_pass(features_run: SampleRun):
     assert len(expected_pass) == 21, expected_pass  # 9 parametrised + 12 others
     bad = {n: features_run.cases[n].text[:1500] for n in expected_pass if features_run.cases[n].outcome != "passed"}
     assert bad == {}
+
+
+def test_local_scope_torn_down_after_a_distributed_item(features_run: SampleRun):
+    """A module's local test, then its distributed one, then another module: the first module's
+    fixtures are finalised before the next module starts, and that module's test does not error
+    with "previous item was not torn down properly" (it did before the controller tore down)."""
+    cases = features_run.cases
+    outcomes = {n: cases[n].outcome for n in ("test_mixed_local_first", "test_mixed_distributed_last",
+                                              "test_mixed_next_module_sees_teardown")}
+    assert set(outcomes.values()) == {"passed"}, {n: cases[n].text[:800] for n in outcomes}
 
 
 def test_skip_xfail_and_disagreement(features_run: SampleRun):
