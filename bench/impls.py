@@ -191,9 +191,11 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
 DEFAULT_IMPLS = tuple(IMPLS)
 
 
-def unavailable_reason(name: str, world: int) -> str | None:
+def unavailable_reason(name: str, world: int, fake: bool = False) -> str | None:
     """Why ``name`` cannot run here (None when it can); the same answer on every rank."""
     impl = IMPLS[name]
+    if fake and name == "ddp":
+        return "DDP's reducer needs real collective results; the fake process group returns none"
     if world < impl.min_world:
         return f"needs world >= {impl.min_world} (have {world})"
     if impl.needs_module and importlib.util.find_spec(impl.needs_module) is None:

@@ -125,7 +125,9 @@ def header(rows: list[dict]) -> str:
     meta = next((r for r in rows if r.get("kind") == "meta"), None)
     if meta is None:
         return "# Benchmark suite"
-    return (f"# Benchmark suite: world {meta['world']}, {meta['device']}, torch {meta['torch']}, "
+    world = (f"fake world {meta['world']} (one process, collectives move nothing: the step without "
+             f"communication)" if meta.get("fake") else f"world {meta['world']}")
+    return (f"# Benchmark suite: {world}, {meta['device']}, torch {meta['torch']}, "
             f"{meta['steps']} timed steps after {meta['warmup']} warm-up, micro-batch {meta['micro_batch']}, "
             f"{meta['date']}")
 

@@ -27,6 +27,9 @@ class Env:
     world: int
     local_rank: int
     device: torch.device
+    # A one-process run pretending to be rank 0 of ``world`` ranks (``init(fake_world=N)``):
+    # collectives return at once and move nothing, so everything but communication is measured.
+    fake: bool = False
 
     @property
     def is_cuda(self) -> bool:
@@ -61,15 +64,18 @@ def load_te_first() -> bool:
     return True
 
 
-def init(device: str, timeout_s: int = 180) -> Env:
+def init(device: str, timeout_s: int = 180, fake_world: int = 0) -> Env:
     """Initialise the default process group (a 1-rank group when not under torchrun).
 
     ``device`` is ``auto`` (CUDA when present), ``cuda`` or ``cpu``. The collective timeout is
     short so that a rank stuck in a collective (another rank failed) ends the run instead of
-    eating the whole GPU lease; results already written survive.
+    eating the whole GPU lease; results already written survive. ``fake_world=N`` (N >= 2) makes
+    this one process rank 0 of N over torch's ``fake`` backend (see ``init_fake``).
     """
     if device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"device must be one of auto, cuda, cpu; got {device!r}")
+    if fake_world:
+        return init_fake(device, fake_world)
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         check_no_multicast()
@@ -93,6 +99,34 @@ def init(device: str, timeout_s: int = 180) -> Env:
         else:
             dist.init_process_group("gloo", timeout=timeout)
     return Env(dist.get_rank(), dist.get_world_size(), local, dev)
+
+
+def init_fake(device: str, world: int) -> Env:
+    """This process as rank 0 of ``world`` ranks whose collectives do nothing (torch's ``fake`` backend).
+
+    Shards, buffers, casts, copies, compute and the optimizer step run at their world-``world``
+    sizes on one device, and no byte moves: the step time is the step with communication free
+    and fully hidden (a lower bound of the real one), and the memory is a rank's at that world
+    size less the communication library's buffers. Gathered values are whatever the buffers held,
+    so losses mean nothing; implementations that need real collective results (DDP's reducer)
+    are refused by ``bench.impls.unavailable_reason``. Made for a machine with one GPU: the
+    non-communication cost of each engine at the world size it would run at.
+    """
+    if world < 2:
+        raise ValueError(f"fake_world must be >= 2 (a 1-rank run needs no fake), got {world}")
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise SystemExit("fake_world is one process pretending to be rank 0: run it without torchrun")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        check_no_multicast()
+        load_te_first()
+        torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    return Env(0, world, 0, dev, fake=True)
 
 
 def shutdown() -> None:

@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-budget-s", type=float, default=math.inf,
                    help="start no cell that would end later than this many seconds after start-up")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--fake-world", type=_positive, default=None, metavar="N",
+                   help="one process as rank 0 of N >= 2 whose collectives move nothing (torch's fake "
+                        "backend; no torchrun): each engine's step without communication at world N")
     p.add_argument("--trace-impls", type=csv_list(list(impls.IMPLS)), default=[],
                    help="after the cells, profile these impls (bench/trace.py) in the same process group")
     p.add_argument("--trace-size", choices=list(impls.SIZES), default="1.3b")
@@ -182,7 +185,7 @@ class Writer:
 
 
 def _skip_reason(env: Env, size: str, name: str, args: argparse.Namespace, budget: Budget) -> str | None:
-    reason = impls.unavailable_reason(name, env.world)
+    reason = impls.unavailable_reason(name, env.world, env.fake)
     if reason is None and env.is_cuda:
         need = impls.estimated_bytes(name, impls.SIZES[size], args.micro_batch, env.world)
         if need > 0.92 * runtime.total_memory(env):
@@ -227,7 +230,8 @@ def run_cells(env: Env, args: argparse.Namespace, out: Writer) -> None:
 def meta_row(env: Env, args: argparse.Namespace) -> dict:
     import torch
 
-    return {"kind": "meta", "world": env.world, "device": runtime.device_name(env), "torch": torch.__version__,
+    return {"kind": "meta", "world": env.world, "fake": env.fake, "device": runtime.device_name(env),
+            "torch": torch.__version__,
             "sizes": args.sizes, "impls": args.impls, "reps": args.reps, "steps": args.steps,
             "warmup": args.warmup, "micro_batch": args.micro_batch, "setups": impls.setups(args.impls),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -235,7 +239,7 @@ def meta_row(env: Env, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    env = runtime.init(args.device)
+    env = runtime.init(args.device, fake_world=args.fake_world or 0)
     out = Writer(env, args.out)
     out.write(meta_row(env, args))
     out.say(f"world {env.world} on {runtime.device_name(env)}; {len(plan(args.sizes, args.impls, args.reps))} "

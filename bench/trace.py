@@ -85,7 +85,7 @@ def run(env: Env, size: str, names: list[str], out_dir: Path, micro_batch: int =
     mems: list[memory.MemoryReport] = []
     traces: dict[str, Path] = {}
     for name in names:
-        reason = impls.unavailable_reason(name, env.world)
+        reason = impls.unavailable_reason(name, env.world, env.fake)
         if reason is not None:
             say(f"trace {size} {name}: skipped ({reason})")
             continue
@@ -104,7 +104,7 @@ def run(env: Env, size: str, names: list[str], out_dir: Path, micro_batch: int =
             traces[name] = path
         say(f"trace {size} {name}: done in {time.monotonic() - t0:.1f}s")
     if env.rank == 0:
-        header = (f"# Step profile, {size}, world {env.world}, {runtime.device_name(env)}, micro-batch "
+        header = (f"# Step profile, {size}, {'fake ' if env.fake else ''}world {env.world}, {runtime.device_name(env)}, micro-batch "
                   f"{micro_batch}, {steps} profiled steps after {warmup + 2} (rank 0)")
         print(write_report(out_dir, header, traces, mems), flush=True)
 
@@ -120,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=2, help="profiled steps (after one discarded)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--fake-world", type=int, default=0, metavar="N",
+                   help="one process as rank 0 of N >= 2 with no-op collectives (see bench/suite.py)")
     args = p.parse_args(argv)
-    env = runtime.init(args.device)
+    env = runtime.init(args.device, fake_world=args.fake_world)
     try:
         run(env, args.size, args.impls, args.out_dir, args.micro_batch, args.warmup, args.steps)
     finally:

@@ -37,11 +37,16 @@ def is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+# Backends of the default process group that take CUDA tensors: NCCL, and torch's ``fake``
+# backend (collectives that move nothing, for tracing and for benchmarking one rank's work).
+_CUDA_BACKENDS = ("nccl", "fake")
+
+
 def default_device_type() -> str:
     """Device type for a mesh built by us (``device_mesh=None``): CUDA only when the default
-    process group can move CUDA tensors (NCCL), so gloo on a GPU node still runs on CPU."""
+    process group can take CUDA tensors (NCCL, fake), so gloo on a GPU node still runs on CPU."""
     backend = str(dist.get_backend()).lower()
-    return "cuda" if torch.cuda.is_available() and "nccl" in backend else "cpu"
+    return "cuda" if torch.cuda.is_available() and any(b in backend for b in _CUDA_BACKENDS) else "cpu"
 
 
 class CommStream:

@@ -134,3 +134,27 @@ def test_cpu_smoke_run_of_the_whole_suite(tmp_path) -> None:
     assert "Loss check FAILED" not in md, md
     assert "ours-z3" in (tmp_path / "trace.md").read_text()
     assert (tmp_path / "trace_ours-z3.json.gz").stat().st_size > 0
+
+
+def test_cpu_fake_world_run(tmp_path) -> None:
+    """``--fake-world 2``: one process acts as rank 0 of 2 (no torchrun); the engines shard for world 2
+    and train with collectives that move nothing; DDP is refused with the reason; the report says so."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(REPO), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1")
+    out = tmp_path / "f.jsonl"
+    cmd = [sys.executable, str(REPO / "bench" / "suite.py"), "--device", "cpu", "--fake-world", "2",
+           "--sizes", "tiny", "--impls", "ours-z3,fsdp2,ddp", "--reps", "1", "--steps", "1", "--warmup", "1",
+           "--out", str(out), "--md", str(tmp_path / "f.md")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["kind"] == "meta" and rows[0]["world"] == 2 and rows[0]["fake"] is True
+    assert [r["impl"] for r in rows if r["kind"] == "cell"] == ["ours-z3", "fsdp2"]
+    assert [r["world"] for r in rows if r["kind"] == "cell"] == [2, 2]
+    skips = [r for r in rows if r["kind"] == "skip"]
+    assert [s["impl"] for s in skips] == ["ddp"] and "fake process group" in skips[0]["reason"]
+    assert "fake world 2" in (tmp_path / "f.md").read_text()
+    under_torchrun = subprocess.run(cmd, env=dict(env, WORLD_SIZE="2", RANK="0"), capture_output=True,
+                                    text=True, timeout=120)
+    assert under_torchrun.returncode != 0 and "without torchrun" in under_torchrun.stderr
