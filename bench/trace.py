@@ -104,7 +104,8 @@ def run(env: Env, size: str, names: list[str], out_dir: Path, micro_batch: int =
             traces[name] = path
         say(f"trace {size} {name}: done in {time.monotonic() - t0:.1f}s")
     if env.rank == 0:
-        header = (f"# Step profile, {size}, {'fake ' if env.fake else ''}world {env.world}, {runtime.device_name(env)}, micro-batch "
+        world = f"{'fake ' if env.fake else ''}world {env.world}"
+        header = (f"# Step profile, {size}, {world}, {runtime.device_name(env)}, micro-batch "
                   f"{micro_batch}, {steps} profiled steps after {warmup + 2} (rank 0)")
         print(write_report(out_dir, header, traces, mems), flush=True)
 
