@@ -126,6 +126,7 @@ class FSDPUnit:
         self.storage: UnitStorage = unit_storage(ctx.unshard.standalone_kind(ctx.graph_mode), [])
         self._ready = 0
         self._gather: _Gather | None = None  # a prefetched all-gather not yet consumed
+        self._in_place_gather: bool | None = None  # see _gathers_in_place (decided at the first gather)
         self.reduce_event: torch.cuda.Event | None = None  # CUDA: marks the last grad reduction done
         self.post_backward_done = False
         self.is_unsharded = False
@@ -236,11 +237,34 @@ class FSDPUnit:
             if self.fp8 is not None:  # FP8 params travel as FP8 bytes
                 gathered = self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group)
             else:
-                compute = self.dtypes.compute
-                local = self.weight.data if self.weight.dtype == compute else self.weight.data.to(compute)
-                gathered = torch.empty(self.weight.layout.total_numel, dtype=compute, device=self.ctx.device)
-                comm.all_gather(gathered, local, self.ctx.gather_group or self.ctx.group)
+                gathered = self._gather_compute_dtype()
         return _Gather(gathered, stream.record(), version)
+
+    def _gather_compute_dtype(self) -> torch.Tensor:
+        """All-gather the weight shards in the compute dtype. A shard that needs a cast is cast
+        straight into this rank's chunk of the output and gathered in place (FSDP2 does the same):
+        no separate low-precision copy of the shard is allocated, and the collective has no
+        input segment of its own to copy."""
+        compute, group = self.dtypes.compute, self.ctx.gather_group or self.ctx.group
+        layout = self.weight.layout
+        gathered = torch.empty(layout.total_numel, dtype=compute, device=self.ctx.device)
+        if self.weight.dtype == compute:  # nothing to cast: gather straight from the shard
+            comm.all_gather(gathered, self.weight.data, group)
+        elif self._gathers_in_place(group):
+            local = gathered.narrow(0, self.ctx.layout_rank * layout.segment_numel, layout.segment_numel)
+            local.copy_(self.weight.data)
+            comm.all_gather(gathered, local, group)
+        else:
+            comm.all_gather(gathered, self.weight.data.to(compute), group)
+        return gathered
+
+    def _gathers_in_place(self, group: dist.ProcessGroup) -> bool:
+        """Whether this rank's chunk of the gather output is its own layout segment (the gather
+        group has one member per shard and ranks them as the layout does)."""
+        if self._in_place_gather is None:
+            self._in_place_gather = (group.size() == self.weight.layout.num_shards
+                                     and group.rank() == self.ctx.layout_rank)
+        return self._in_place_gather
 
     def _finish_gather(self, gather: _Gather) -> None:
         """Wait for the gather and copy each param out of it (on the compute stream)."""

@@ -336,6 +336,40 @@ def test_zero3_root_prefetches_first_and_last_unit(dist_env, monkeypatch) -> Non
     assert backward_gather < events.index(("backward", "norm")), events
 
 
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+@pytest.mark.matrix(model="gpt", dtype="bf16", zero=matrix.param("strategy", axes.zero))
+def test_cast_shards_are_gathered_in_place(strategy, dist_env, monkeypatch) -> None:
+    """A bf16 module with fp32 main params: every weight all-gather casts the shard straight into
+    this rank's chunk of the output and gathers in place (input = output chunk ``group rank``).
+    NCCL reads an input that overlaps its output anywhere else while overwriting it, so a wrong
+    chunk corrupts weights on GPUs while gloo (CPU) still gives right numbers: this pins it."""
+    import fsdp_impl.comm
+
+    calls: list[tuple[int, int, int, int, torch.dtype]] = []
+    original = fsdp_impl.comm.all_gather
+
+    def spy(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> None:
+        calls.append((output.data_ptr(), local.data_ptr(), local.numel() * local.element_size(),
+                      group.rank(), local.dtype))
+        original(output, local, group)
+
+    monkeypatch.setattr(fsdp_impl.comm, "all_gather", spy)
+    module = build_model("gpt", torch.bfloat16, seed=0, layers=2)
+    policy = MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+    model, opt = fully_shard(module, torch.optim.AdamW(module.parameters(), lr=1e-3),
+                             fsdp_unit_modules=list(unit_classes("gpt")), zero_dp_strategy=strategy,
+                             mixed_precision_policy=policy)
+    inputs, target = make_batch("gpt", 2, seed=0)
+    for _ in range(2):
+        loss_fn("gpt")(model(*inputs), target).backward()
+        opt.step()
+        opt.zero_grad()
+    assert calls, "no weight all-gather was issued"
+    for out_ptr, in_ptr, nbytes, rank, dtype in calls:
+        assert dtype == torch.bfloat16, calls
+        assert in_ptr == out_ptr + rank * nbytes, (rank, out_ptr, in_ptr, nbytes)
+
+
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
 @pytest.mark.matrix(zero=matrix.param("strategy", axes.zero))
 def test_zero_grad_keep_views_trains_like_reference(strategy, dist_env) -> None:

@@ -109,6 +109,25 @@ def root_prefetch_skipped() -> None:
     replace("fsdp_impl.engine:FSDPEngine._next_unit", make)
 
 
+def gather_cast_into_wrong_chunk() -> None:
+    """Every rank casts its shard into chunk 0 of the gather output: gloo still gathers the right
+    values (it reads the input before writing), NCCL would overwrite the input while reading it."""
+    def make(original: Any) -> Any:
+        def gather(self: Any) -> Any:
+            import torch
+
+            from fsdp_impl import comm
+            group = self.ctx.gather_group or self.ctx.group
+            layout = self.weight.layout
+            out = torch.empty(layout.total_numel, dtype=self.dtypes.compute, device=self.ctx.device)
+            local = out.narrow(0, 0, layout.segment_numel)
+            local.copy_(self.weight.data)
+            comm.all_gather(out, local, group)
+            return out
+        return gather
+    replace("fsdp_impl.unit:FSDPUnit._gather_compute_dtype", make)
+
+
 def grads_summed_not_averaged() -> None:
     """Gradients are summed across data-parallel ranks instead of averaged (world-size x too large;
     Adam hides much of it, SGD does not): the default pre-division by the dp size is skipped, and
@@ -274,6 +293,8 @@ MUTANTS = (
            ("tests/unit/fsdp/test_refresh_prefetch.py", "-k", "test_unused_prefetch")),
     Mutant("root_prefetch_skipped", "ZeRO-3 root starts no prefetch (first/last unit gathered late)",
            (F + "test_engine_features.py", "-k", "test_zero3_root_prefetches_first_and_last_unit")),
+    Mutant("gather_cast_into_wrong_chunk", "cast shard written into chunk 0, not this rank's, before an in-place gather",
+           (F + "test_engine_features.py", "-k", "test_cast_shards_are_gathered_in_place")),
     Mutant("hsdp_outer_reduce_every_microbatch", "HSDP outer reduce on every microbatch",
            (F + "test_mesh_world2.py", "-k", "test_hsdp_world2")),
     Mutant("hsdp_outer_reduce_never", "HSDP outer reduce never",
