@@ -293,7 +293,7 @@ MUTANTS = (
            ("tests/unit/fsdp/test_refresh_prefetch.py", "-k", "test_unused_prefetch")),
     Mutant("root_prefetch_skipped", "ZeRO-3 root starts no prefetch (first/last unit gathered late)",
            (F + "test_engine_features.py", "-k", "test_zero3_root_prefetches_first_and_last_unit")),
-    Mutant("gather_cast_into_wrong_chunk", "cast shard written into chunk 0, not this rank's, before an in-place gather",
+    Mutant("gather_cast_into_wrong_chunk", "shard cast into chunk 0, not this rank's, for an in-place gather",
            (F + "test_engine_features.py", "-k", "test_cast_shards_are_gathered_in_place")),
     Mutant("hsdp_outer_reduce_every_microbatch", "HSDP outer reduce on every microbatch",
            (F + "test_mesh_world2.py", "-k", "test_hsdp_world2")),
