@@ -107,7 +107,9 @@ def init_fake(device: str, world: int) -> Env:
     """This process as rank 0 of ``world`` ranks whose collectives do nothing (torch's ``fake`` backend).
 
     Shards, buffers, casts, copies, compute and the optimizer step run at their world-``world``
-    sizes on one device, and no byte moves: the step time is the step with communication free
+    sizes on one device, and nothing moves between processes (torch's fake all-gather copies the
+    input into the other ranks' chunks, a device copy per gather; the other collectives return at
+    once; an engine that gathers out of place pays one copy more): the step time is the step with communication free
     and fully hidden (a lower bound of the real one), and the memory is a rank's at that world
     size less the communication library's buffers. Gathered values are whatever the buffers held,
     so losses mean nothing; implementations that need real collective results (DDP's reducer)
