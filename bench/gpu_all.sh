@@ -12,7 +12,7 @@
 # others), BENCH_IMPLS (all), BENCH_REPS (3), BENCH_STEPS (8), BENCH_WARMUP (3), BENCH_BUDGET_S (300:
 # seconds from the suite's start after which it starts no cell), BENCH_TRACE (ours-z3,fsdp2; empty: no
 # profile), BENCH_FAKE_WORLD (2 on a one-GPU machine, else empty: no fake-world pass), BENCH_FAKE_BUDGET_S
-# (120). Hard limits: suite + profile BENCH_BUDGET_S + 80 s, fake-world suite BENCH_FAKE_BUDGET_S + 40 s,
+# (120), BENCH_GRAPH (1; 0 skips the CUDA-graph bench). Hard limits: suite + profile BENCH_BUDGET_S + 80 s, fake-world suite BENCH_FAKE_BUDGET_S + 40 s,
 # graph bench 80 s, so the whole run ends within BENCH_BUDGET_S (+ BENCH_FAKE_BUDGET_S) + about 220 s:
 # 8 minutes at the defaults (typically 6 to 6.5); with the fake pass BENCH_BUDGET_S defaults to 180.
 # A megatron-fsdp wheel in .whl/ (megatron_fsdp-*.whl) is installed to /tmp and benchmarked too.
@@ -65,7 +65,9 @@ if [ -n "$fake_world" ]; then
     [ -s /tmp/fake_suite.jsonl ] && python3 -m bench.report /tmp/fake_suite.jsonl --md "$out/fake.md" >/dev/null
 fi
 
-if python3 -c 'from fsdp_impl.cuda_graph import capture_train_step' 2>/dev/null; then
+if [ "${BENCH_GRAPH:-1}" = 0 ]; then
+    say "CUDA-graph bench skipped (BENCH_GRAPH=0)"
+elif python3 -c 'from fsdp_impl.cuda_graph import capture_train_step' 2>/dev/null; then
     say "CUDA-graph bench"
     timeout --signal=TERM --kill-after=10 80 \
         torchrun --standalone --nproc-per-node "$ngpu" bench/cuda_graph_bench.py --configs small,1.3b --md "$out/graph.md"
