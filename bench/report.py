@@ -140,8 +140,11 @@ def _setups(rows: list[dict]) -> list[str]:
 
 def markdown(rows: list[dict]) -> str:
     cells = summarise(rows)
-    parts = [header(rows), "", table(cells), "", LEGEND, *_setups(rows), "",
-             "| size | target | verdict |", "| --- | --- | --- |"]
+    parts = [header(rows), "", table(cells), "", LEGEND, *_setups(rows), ""]
+    if any(r.get("kind") == "meta" and r.get("fake") for r in rows):
+        parts += ["Fake world: the verdicts compare the engines without communication; the targets "
+                  "themselves are for a real run.", ""]
+    parts += ["| size | target | verdict |", "| --- | --- | --- |"]
     parts += [f"| {s} | {t} | {v} |" for s, t, v in targets(cells)]
     notes = [r for r in rows if r.get("kind") in ("skip", "error")]
     if notes:

@@ -154,7 +154,8 @@ def test_cpu_fake_world_run(tmp_path) -> None:
     assert [r["world"] for r in rows if r["kind"] == "cell"] == [2, 2]
     skips = [r for r in rows if r["kind"] == "skip"]
     assert [s["impl"] for s in skips] == ["ddp"] and "fake process group" in skips[0]["reason"]
-    assert "fake world 2" in (tmp_path / "f.md").read_text()
+    md = (tmp_path / "f.md").read_text()
+    assert "fake world 2" in md and "Fake world: the verdicts compare" in md
     under_torchrun = subprocess.run(cmd, env=dict(env, WORLD_SIZE="2", RANK="0"), capture_output=True,
                                     text=True, timeout=120)
     assert under_torchrun.returncode != 0 and "without torchrun" in under_torchrun.stderr
