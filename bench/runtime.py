@@ -28,7 +28,7 @@ class Env:
     local_rank: int
     device: torch.device
     # A one-process run pretending to be rank 0 of ``world`` ranks (``init(fake_world=N)``):
-    # collectives return at once and move nothing, so everything but communication is measured.
+    # collectives move nothing between processes, so everything but communication is measured.
     fake: bool = False
 
     @property
@@ -109,8 +109,8 @@ def init_fake(device: str, world: int) -> Env:
     Shards, buffers, casts, copies, compute and the optimizer step run at their world-``world``
     sizes on one device, and nothing moves between processes (torch's fake all-gather copies the
     input into the other ranks' chunks, a device copy per gather; the other collectives return at
-    once; an engine that gathers out of place pays one copy more): the step time is the step with communication free
-    and fully hidden (a lower bound of the real one), and the memory is a rank's at that world
+    once; an engine that gathers out of place pays one copy more): the step time is the step
+    with communication free and fully hidden (a lower bound of the real one), and the memory is a rank's at that world
     size less the communication library's buffers. Gathered values are whatever the buffers held,
     so losses mean nothing; implementations that need real collective results (DDP's reducer)
     are refused by ``bench.impls.unavailable_reason``. Made for a machine with one GPU: the
