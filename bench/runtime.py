@@ -69,70 +69,60 @@ def init(device: str, timeout_s: int = 180, fake_world: int = 0) -> Env:
 
     ``device`` is ``auto`` (CUDA when present), ``cuda`` or ``cpu``. The collective timeout is
     short so that a rank stuck in a collective (another rank failed) ends the run instead of
-    eating the whole GPU lease; results already written survive. ``fake_world=N`` (N >= 2) makes
-    this one process rank 0 of N over torch's ``fake`` backend (see ``init_fake``).
+    eating the whole GPU lease; results already written survive.
+
+    ``fake_world=N`` (N >= 2, no torchrun) makes this one process rank 0 of N over torch's
+    ``fake`` backend. Shards, buffers, casts, copies, compute and the optimizer step run at their
+    world-N sizes on one device, and nothing moves between processes (torch's fake all-gather
+    copies the input into the other ranks' chunks, a device copy per gather; the other
+    collectives return at once; an engine that gathers out of place pays one copy more): the
+    step time is the step with communication free and fully hidden (a lower bound of the real
+    one), and the memory is a rank's at that world size less the communication library's
+    buffers. Gathered values are whatever the buffers held, so losses mean nothing;
+    implementations that need real collective results (DDP's reducer) are refused by
+    ``bench.impls.unavailable_reason``. Made for a machine with one GPU: the non-communication
+    cost of each engine at the world size it would run at.
     """
     if device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"device must be one of auto, cuda, cpu; got {device!r}")
     if fake_world:
-        return init_fake(device, fake_world)
+        if fake_world < 2:
+            raise ValueError(f"fake_world must be >= 2 (a 1-rank run needs no fake), got {fake_world}")
+        if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+            raise SystemExit("fake_world is one process pretending to be rank 0: run it without torchrun")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         check_no_multicast()
         if not torch.cuda.is_available():
             raise SystemExit("--device cuda asked for, but torch sees no CUDA GPU")
         load_te_first()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = 0 if fake_world else int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
     else:
         dev = torch.device("cpu")
     if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if use_cuda:  # device_id: NCCL communicators are made eagerly, outside any timed region
-            dist.init_process_group("nccl", timeout=timeout, device_id=dev)
-        else:
-            dist.init_process_group("gloo", timeout=timeout)
-    env = Env(dist.get_rank(), dist.get_world_size(), local, dev)
+        _init_group(dev, timeout_s, fake_world)
+    env = Env(dist.get_rank(), dist.get_world_size(), local, dev, fake=bool(fake_world))
     prime_libraries(env)
     return env
 
 
-def init_fake(device: str, world: int) -> Env:
-    """This process as rank 0 of ``world`` ranks whose collectives do nothing (torch's ``fake`` backend).
+def _init_group(dev: torch.device, timeout_s: int, fake_world: int) -> None:
+    """The default group: fake (``fake_world`` ranks, this one rank 0), else NCCL on CUDA, gloo on CPU."""
+    if fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    Shards, buffers, casts, copies, compute and the optimizer step run at their world-``world``
-    sizes on one device, and nothing moves between processes (torch's fake all-gather copies the
-    input into the other ranks' chunks, a device copy per gather; the other collectives return at
-    once; an engine that gathers out of place pays one copy more): the step time is the step
-    with communication free and fully hidden (a lower bound of the real one), and the memory is a rank's at that world
-    size less the communication library's buffers. Gathered values are whatever the buffers held,
-    so losses mean nothing; implementations that need real collective results (DDP's reducer)
-    are refused by ``bench.impls.unavailable_reason``. Made for a machine with one GPU: the
-    non-communication cost of each engine at the world size it would run at.
-    """
-    if world < 2:
-        raise ValueError(f"fake_world must be >= 2 (a 1-rank run needs no fake), got {world}")
-    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        raise SystemExit("fake_world is one process pretending to be rank 0: run it without torchrun")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        check_no_multicast()
-        load_te_first()
-        torch.cuda.set_device(0)
-    dev = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    env = Env(0, world, 0, dev, fake=True)
-    prime_libraries(env)
-    return env
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world)
+        return
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if dev.type == "cuda":  # device_id: NCCL communicators are made eagerly, outside any timed region
+        dist.init_process_group("nccl", timeout=timeout, device_id=dev)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
 
 
 def prime_libraries(env: Env) -> None:
