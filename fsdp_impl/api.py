@@ -229,8 +229,11 @@ def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], strategy:
     ctx = make_context(ordinary, strategy, policy, device, streams, options.overlap_param_gather, graph_mode,
                        unshard)
     ctx.fp8_setup = functools.partial(unit_fp8, keep_transpose=flags["keep_fp8_transpose_cache"])
+    ctx.fine_grained = options.enable_fine_grained_param_gather
     expert_ctx = (make_context(experts, strategy, policy, device, streams, options.overlap_param_gather,
                                graph_mode, unshard) if experts is not None else None)
+    if expert_ctx is not None:
+        expert_ctx.fine_grained = options.enable_fine_grained_param_gather
     per_match, units, modules = build_units(layout, ctx, expert_ctx)
     shard_units(module, per_match, layout, device, flags["init_model_with_meta_device"])
     for context in (ctx, expert_ctx):  # ZeRO-3 + pool only: the non-root units of each group set

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn as nn
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
@@ -17,6 +18,7 @@ from .grad_reduce import OuterGradReducer
 from .param import ManagedParam
 from .policy import ShardingStrategy
 from .unit import FSDPUnit, UnitContext
+from .unshard_storage import GatherPhase
 
 if TYPE_CHECKING:
     from .fp8_params import ModelFp8
@@ -38,6 +40,9 @@ class FSDPEngine:
         self.fp8: ModelFp8 | None = None  # FP8 params / delayed scaling (fp8_params.py), set at wrap
         self.comm_dtype_override: torch.dtype | None = None
         self._callback_queued = False
+        # From the first pre-backward (or grad) of a backward until its end-of-backward callback:
+        # a unit forward that runs then, inside autograd's backward, is an activation recompute.
+        self._backward_active = False
         # ZeRO-0/1/2: units whose compute params must be rebuilt before their forward
         self._stale: dict[FSDPUnit, bool] = dict.fromkeys(units, True)
         # Non-root units in the order their forwards ran: this iteration's (for backward
@@ -74,9 +79,20 @@ class FSDPEngine:
         with record_function("FSDP::pre_forward"):
             self._pre_forward(unit)
 
+    def in_recompute(self) -> bool:
+        """Whether a unit forward now is the recompute of a checkpointed region (reentrant or not:
+        ``torch.utils.checkpoint``, ``checkpoint_wrapper``, selective recompute): it runs inside
+        this model's backward, i.e. inside an autograd graph task after a pre-backward fired."""
+        return self._backward_active and torch._C._current_graph_task_id() != -1
+
     def _pre_forward(self, unit: FSDPUnit) -> None:
+        if self.in_recompute():
+            self._recompute_pre_forward(unit)
+            return
         zero3 = self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
         if unit is self.root:
+            if self._backward_active:  # the last backward raised before its end-of-backward callback
+                self._abandon_backward()
             if zero3:  # a forward without backward (eval) may have left units gathered/prefetched
                 for other in self.units:
                     other.reshard()
@@ -92,6 +108,9 @@ class FSDPEngine:
             self._order = []
         else:
             self._order.append(unit)
+            unit.in_forward = True
+            if zero3 and unit.ctx.fine_grained:  # gathered by its first submodule with params
+                return
         if zero3:
             unit.unshard()
             self._prefetch_after(unit, self._prev_order, +1)
@@ -101,6 +120,41 @@ class FSDPEngine:
                 self._stale[unit] = False
             self._prefetch_refresh_after(unit)
         unit.swap_in()
+
+    def submodule_pre_forward(self, unit: FSDPUnit, module: nn.Module) -> None:
+        """``enable_fine_grained_param_gather``: ``module`` (holding params of ``unit``) is about
+        to run; its params must be the compute params (ZeRO-3: the unit's deferred gather)."""
+        if self.in_recompute():
+            self._recompute_pre_forward(unit)
+            return
+        if not unit.in_forward:
+            raise RuntimeError(
+                f"{type(module).__name__} holds params of FSDP unit {unit.name!r} but ran outside that unit's "
+                "forward, where its params are sharded DTensors; call it from the unit's forward, or make it "
+                "a unit of its own (add its class to fsdp_unit_modules)")
+        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and not unit.is_unsharded:
+            with record_function("FSDP::pre_forward"):
+                unit.unshard()
+                self._prefetch_after(unit, self._prev_order, +1)
+            unit.swap_in()
+
+    def _recompute_pre_forward(self, unit: FSDPUnit) -> None:
+        """A recompute reads the very compute params the forward used: ZeRO-0/1/2 kept them (the
+        main weights do not change inside a step), ZeRO-3 has them from the unit's pre-backward,
+        or gathers them now when the recompute comes first (a region of several units, or a
+        reentrant checkpoint around the unit, whose forward registered no pre-backward); they stay
+        until the unit's post-backward. The forward order, prefetch and refresh are left alone."""
+        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and not unit.is_unsharded:
+            with record_function("FSDP::recompute_unshard"):
+                unit.unshard(GatherPhase.RECOMPUTE)
+        unit.swap_in()
+
+    def _abandon_backward(self) -> None:
+        """Forget a backward that never finished (it raised): units back to their sharded params."""
+        self._backward_active = False
+        self._callback_queued = False
+        for unit in self.units:
+            unit.swap_out()
 
     def _prefetch_refresh_after(self, unit: FSDPUnit) -> None:
         """ZeRO-1/2: start the refresh gather of the unit that ran after ``unit`` in the previous
@@ -116,6 +170,11 @@ class FSDPEngine:
             self._post_forward(unit, output)
 
     def _post_forward(self, unit: FSDPUnit, output: Any) -> None:
+        if self.in_recompute():  # keep the params for the unit's backward, which comes next
+            if torch.is_grad_enabled():  # a reentrant recompute's inner backward: prefetch from here
+                self._register_pre_backward(unit, output)
+            return
+        unit.in_forward = False
         unit.swap_out()
         if unit is not self.root:
             unit.reshard()
@@ -123,24 +182,34 @@ class FSDPEngine:
             if unit is self.root:
                 self.root.reshard()
             return
+        if not self._register_pre_backward(unit, output) and unit is self.root:
+            self.root.reshard()
+
+    def _register_pre_backward(self, unit: FSDPUnit, output: Any) -> bool:
+        """Hook the unit's pre-backward on the output tensors that need a grad (False: none)."""
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, _PreBackward(self, unit), mode="any")
-        elif unit is self.root:
-            self.root.reshard()
+        return bool(tensors)
 
     # ------------------------------------------------------------------ backward
     def _ensure_callback(self) -> None:
+        self._backward_active = True
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def pre_backward(self, unit: FSDPUnit) -> None:
+        """The unit's backward is next: ZeRO-3 re-gathers it (and prefetches the unit whose
+        backward follows); every strategy registers the compute params on the module again, so a
+        recompute inside the unit's forward code reads them, as the forward did."""
         self._ensure_callback()
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
             with record_function("FSDP::pre_backward"):
-                unit.unshard(backward=True)
+                unit.storage.on_pre_backward()
+                unit.unshard(GatherPhase.BACKWARD)
                 self._prefetch_after(unit, self._order, -1)
+        unit.swap_in()
 
     def _prefetch_after(self, unit: FSDPUnit, order: list[FSDPUnit], step: int) -> None:
         """ZeRO-3: start the all-gather of the unit that runs after ``unit`` (forward: next in
@@ -174,6 +243,7 @@ class FSDPEngine:
                 unit.reduce_grads(self.sync, self.comm_dtype(unit))
                 if unit is not self.root:
                     unit.reshard()
+                    unit.swap_out()
 
     def finish_backward(self) -> None:
         """End of backward: reduce units whose grads never all arrived, reshard, install grads."""
@@ -182,9 +252,11 @@ class FSDPEngine:
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
+        self._backward_active = False
         for unit in reversed(self.units):
             unit.reduce_grads(self.sync, self.comm_dtype(unit))
             unit.reshard()
+            unit.swap_out()
             unit.end_backward()
         if self.sync:
             if self.fp8 is not None:  # delayed scaling: one amax reduction per step

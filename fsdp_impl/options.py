@@ -16,9 +16,13 @@ before anything is allocated, and says what each one becomes:
   way, which is what Megatron-FSDP's ``fully_shard`` does for both values.
 * ``preproc_state_dict_for_dcp_ckpt``: the model's state dict is DCP-ready as it is (uneven
   shards are ordinary ``Shard(0)`` DTensors); for the optimizer see ``dcp_optim_state``.
-* ``nccl_ub`` (NCCL user-buffer registration), ``enable_fine_grained_param_gather`` (gathering a
-  unit per submodule): not implemented; ``True`` raises naming what is missing.
-  ``disable_symmetric_registration`` only modifies ``nccl_ub``'s registration.
+* ``enable_fine_grained_param_gather``: Megatron-FSDP 0.6.1's per-submodule unshard hooks. Every
+  submodule of a unit that holds params gets a pre-forward hook that unshards what its own params
+  need (here: its unit, the gather bucket, as Megatron-FSDP's buckets are per unit and dtype), so
+  a ZeRO-3 unit is gathered when its first submodule with params runs rather than when the unit
+  is entered, and a submodule recomputed on its own inside the backward finds its params.
+* ``nccl_ub`` (NCCL user-buffer registration): not implemented; ``True`` raises naming what is
+  missing. ``disable_symmetric_registration`` only modifies ``nccl_ub``'s registration.
 """
 from __future__ import annotations
 
@@ -61,10 +65,6 @@ class WrapOptions:
             raise NotImplementedError(
                 f"nccl_ub=True (NCCL user-buffer registration of the FSDP buffers) is not supported: "
                 f"{missing}; pass nccl_ub=False (fsdp_double_buffer=True gives the fixed buffer pool alone)")
-        if self.enable_fine_grained_param_gather:
-            raise NotImplementedError(
-                "enable_fine_grained_param_gather=True is not supported: a unit's params are gathered "
-                "together; pass False, and list the submodules to gather separately in fsdp_unit_modules")
 
     @property
     def unshard_pool(self) -> bool:

@@ -25,7 +25,15 @@ from .param import ManagedParam
 from .placement import PlacementPlan
 from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
 from .sharding import FlatLayout, shard_row_range
-from .unshard_storage import UnitStorage, UnshardPool, UnshardStorage, UnshardStorageKind, build_pool, unit_storage
+from .unshard_storage import (
+    GatherPhase,
+    UnitStorage,
+    UnshardPool,
+    UnshardStorage,
+    UnshardStorageKind,
+    build_pool,
+    unit_storage,
+)
 
 if TYPE_CHECKING:
     from .fp8_params import UnitFp8
@@ -81,6 +89,9 @@ class UnitContext:
     unshard: UnshardStorage = field(default_factory=lambda: UnshardStorage().resolve(False))
     # FP8 params: builds a unit's FP8 side once it has sharded (fp8_params.unit_fp8); None: no FP8
     fp8_setup: Callable[[FSDPUnit], UnitFp8 | None] | None = None
+    # enable_fine_grained_param_gather: a ZeRO-3 unit is gathered by the pre-forward hook of its
+    # first submodule that holds params, not by the unit's own pre-forward (hooks.py, engine.py).
+    fine_grained: bool = False
 
     @property
     def num_shards(self) -> int:
@@ -130,6 +141,7 @@ class FSDPUnit:
         self.reduce_event: torch.cuda.Event | None = None  # CUDA: marks the last grad reduction done
         self.post_backward_done = False
         self.is_unsharded = False
+        self.in_forward = False  # between the unit's pre- and post-forward (not in a recompute)
         self.synced_version = -1  # weight-buffer version the compute params were built from
         self._grad_cache: list[torch.Tensor | None] = [None] * len(self.trainable)
         self.fp8: UnitFp8 | None = None  # FP8 params: gathered as FP8 bytes (fp8_params.py)
@@ -185,16 +197,16 @@ class FSDPUnit:
         """True when the main weights changed since the compute params were last built."""
         return self.version_signature() != self.synced_version
 
-    def unshard(self, backward: bool = False) -> None:
+    def unshard(self, phase: GatherPhase = GatherPhase.FORWARD) -> None:
         """Make the full compute params valid (ZeRO-3: allocate and all-gather, or finish a
-        prefetched all-gather; ``backward``: called from the pre-backward)."""
+        prefetched all-gather; ``phase``: forward, pre-backward or an activation recompute)."""
         if self.is_unsharded:
             return
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
             if self._gather is None:
                 self.prefetch()
             if self._gather is not None:
-                self.storage.on_unshard(self, backward)
+                self.storage.on_unshard(self, phase)
                 self._finish_gather(self._gather)
                 self._gather = None
         else:
@@ -322,6 +334,14 @@ class FSDPUnit:
     def swap_in(self) -> None:
         for p in self.params:
             p.set_on_module(p.unsharded)
+
+    def param_modules(self) -> list[nn.Module]:
+        """The modules that hold this unit's params (each once, in param order)."""
+        seen: dict[int, nn.Module] = {}
+        for p in self.params:
+            for module, _ in p.locations:
+                seen.setdefault(id(module), module)
+        return list(seen.values())
 
     def swap_out(self) -> None:
         for p in self.params:

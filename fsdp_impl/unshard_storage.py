@@ -27,7 +27,14 @@ hold is logical: the previous occupant must not need its values any more.
   ``j``'s pre-backward fires every node created after ``j``'s forward (every later unit's
   backward, frozen or unused params included) has been enqueued. Another unit still holding the
   slot then is done with it and is evicted (marked resharded; it re-gathers if it runs again).
-  This needs units that do not nest and a non-reentrant backward.
+  This needs units that do not nest.
+* Recompute (activation checkpointing): a checkpointed region's forward runs again inside the
+  backward of its last unit, so the units of the region are unsharded together with the unit
+  whose backward is running. Every pre-backward starts a new *backward epoch*
+  (``UnshardPool.next_epoch``); a recompute gather may evict an occupant claimed in an earlier
+  epoch (its backward has run, as above), but an occupant claimed in the current epoch is still
+  needed by the backward in progress, so that claim raises (the region holds more units than
+  the pool has slots) instead of overwriting values autograd will read.
 
 Because slots are only written on the compute stream, one slot is already correct and more
 slots only cost memory; ``double_buffer()`` has two to match the Megatron-FSDP arguments that
@@ -111,6 +118,15 @@ class UnshardStorage:
         return self.kind
 
 
+class GatherPhase(enum.Enum):
+    """Why a unit is unsharded: its forward, its backward (pre-backward), or the recompute of a
+    checkpointed region's forward during the backward (activation checkpointing)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"
+
+
 class SlotUser(Protocol):
     """What the pool needs from a unit (``FSDPUnit``) that occupies a slot."""
 
@@ -129,11 +145,14 @@ class UnitStorage(Protocol):
     def on_gather_start(self) -> None:
         """A gather for this unit is about to start."""
 
-    def on_unshard(self, user: SlotUser, backward: bool) -> None:
+    def on_unshard(self, user: SlotUser, phase: GatherPhase) -> None:
         """The gathered values are about to be copied into the compute params."""
 
     def on_reshard(self, user: SlotUser) -> None:
         """The compute params are no longer needed."""
+
+    def on_pre_backward(self) -> None:
+        """A unit's pre-backward fired (a new backward epoch for pooled storage)."""
 
 
 class ResizeStorage:
@@ -150,12 +169,15 @@ class ResizeStorage:
             if storage.size() != need:
                 storage.resize_(need)
 
-    def on_unshard(self, user: SlotUser, backward: bool) -> None:
+    def on_unshard(self, user: SlotUser, phase: GatherPhase) -> None:
         """The storage was allocated when the gather started."""
 
     def on_reshard(self, user: SlotUser) -> None:
         for t in self.tensors:
             t.untyped_storage().resize_(0)
+
+    def on_pre_backward(self) -> None:
+        """Nothing is shared."""
 
 
 class PersistentStorage:
@@ -164,11 +186,14 @@ class PersistentStorage:
     def on_gather_start(self) -> None:
         """Nothing to allocate."""
 
-    def on_unshard(self, user: SlotUser, backward: bool) -> None:
+    def on_unshard(self, user: SlotUser, phase: GatherPhase) -> None:
         """Nothing to claim."""
 
     def on_reshard(self, user: SlotUser) -> None:
         """Nothing to free."""
+
+    def on_pre_backward(self) -> None:
+        """Nothing is shared."""
 
 
 def unit_storage(kind: UnshardStorageKind, tensors: Sequence[torch.Tensor]) -> UnitStorage:
@@ -207,6 +232,8 @@ class UnshardPool:
             sizes[self.slot_of[i]] = max(sizes[self.slot_of[i]], total)
         self.buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
         self._occupant: list[SlotUser | None] = [None] * slots
+        self._claimed_in: list[int] = [0] * slots  # backward epoch of each slot's last claim
+        self.epoch = 0
         for i, tensors in enumerate(units):
             base = self.buffers[self.slot_of[i]]
             for t, offset in zip(tensors, layouts[i][0], strict=True):
@@ -220,17 +247,29 @@ class UnshardPool:
     def occupant(self, slot: int) -> SlotUser | None:
         return self._occupant[slot]
 
-    def claim(self, slot: int, user: SlotUser, backward: bool) -> None:
+    def next_epoch(self) -> None:
+        """A pre-backward fired: occupants claimed before it are done (see the module doc)."""
+        self.epoch += 1
+
+    def claim(self, slot: int, user: SlotUser, phase: GatherPhase) -> None:
         """``user`` is about to write its values into ``slot``."""
         current = self._occupant[slot]
         if current is not None and current is not user and current.is_unsharded:
-            if not backward:
+            if phase == GatherPhase.FORWARD:
                 raise RuntimeError(
                     f"unshard storage pool: units {current.name!r} and {user.name!r} share slot {slot} "
                     "and would both be unsharded during forward (nested unit calls?); use more "
                     "slots or the PERSISTENT/RESIZE unshard storage")
+            if phase == GatherPhase.RECOMPUTE and self._claimed_in[slot] == self.epoch:
+                raise RuntimeError(
+                    f"unshard storage pool: the activation recompute of unit {user.name!r} needs pool slot "
+                    f"{slot}, which holds unit {current.name!r} whose backward is still running: one "
+                    f"checkpointed region spans more units than the pool's {len(self.buffers)} slots; "
+                    "use UnshardStorage.double_buffer(slots=N) with N >= the units per checkpointed "
+                    "region + 1, checkpoint fewer units per region, or the RESIZE/PERSISTENT storage")
             current.evict()
         self._occupant[slot] = user
+        self._claimed_in[slot] = self.epoch
 
     def vacate(self, slot: int, user: SlotUser) -> None:
         if self._occupant[slot] is user:
@@ -247,11 +286,14 @@ class PooledStorage:
     def on_gather_start(self) -> None:
         """The gather lands in a temporary buffer; the slot is claimed at the copy-out."""
 
-    def on_unshard(self, user: SlotUser, backward: bool) -> None:
-        self.pool.claim(self.slot, user, backward)
+    def on_unshard(self, user: SlotUser, phase: GatherPhase) -> None:
+        self.pool.claim(self.slot, user, phase)
 
     def on_reshard(self, user: SlotUser) -> None:
         self.pool.vacate(self.slot, user)
+
+    def on_pre_backward(self) -> None:
+        self.pool.next_epoch()
 
 
 def build_pool(units: Sequence[Sequence[torch.Tensor]], slots: int,

@@ -63,6 +63,15 @@ class Float8WeightSlot:
     def has_transpose(self) -> bool:
         return self._transpose is not None
 
+    def rowwise(self) -> Fp8Tensor | None:
+        """The (N, K) weight for the forward GEMM; ``None`` when the slot holds nothing. After
+        ``release(keep_transpose=True)`` only the transposed copy is left, and a forward that runs
+        then (an activation recompute inside the backward) gets it transposed back: exact, the
+        same bytes and scales (square or tensorwise blocks), so the recompute matches the forward."""
+        if self.weight is not None:
+            return self.weight
+        return self._transpose.transpose() if self._transpose is not None else None
+
     def transposed(self) -> Fp8Tensor:
         if self._transpose is not None:
             return self._transpose
@@ -87,8 +96,9 @@ class _Fp8LinearFn(torch.autograd.Function):
                 tensorwise: bool, slot: Float8WeightSlot) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         xq = quantizers.input.quantize(x2)
-        from_slot = slot.weight is not None
-        wq = slot.weight if slot.weight is not None else quantizers.weight.quantize(weight.detach())
+        slot_weight = slot.rowwise()
+        from_slot = slot_weight is not None
+        wq = slot_weight if slot_weight is not None else quantizers.weight.quantize(weight.detach())
         y = fp8_gemm(xq, wq, x.dtype)
         if from_slot and slot.keep_transpose and ctx.needs_input_grad[0]:
             slot.transposed()  # built now and kept, so the backward needs no FP8 re-gather
@@ -158,6 +168,12 @@ class Float8Linear(nn.Linear):
                 quantizer.reset()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.fp8_params and self.fp8_weight_slot.rowwise() is None and self.weight.numel()
+                and self.weight.untyped_storage().size() == 0):
+            raise RuntimeError(f"{type(self).__name__}({self.in_features}, {self.out_features}) is an FP8 "
+                               "parameter module whose sharding engine has not gathered its FP8 weight: it "
+                               "ran outside its FSDP unit's forward and backward (call the unit, or gather "
+                               "the module separately)")
         y = _Fp8LinearFn.apply(x, self.weight, self.fp8_quantizers, self.recipe.tensorwise, self.fp8_weight_slot)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

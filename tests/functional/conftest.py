@@ -18,6 +18,13 @@ import pytest
 
 L0_MARKER = "l0"
 L0_CELLS = (
+    # activation recompute: inside a unit (non-reentrant, reentrant), bit-identical to no recompute;
+    # no extra all-gather (wrapper, a region of two units in the 2-slot pool); FP8 params with a kept transpose
+    "test_activation_recompute.py::test_recompute_is_bit_identical_world2[z3-resize-inside]",
+    "test_activation_recompute.py::test_recompute_is_bit_identical_world2[z1-inside_reentrant]",
+    "test_activation_recompute.py::test_recompute_gathers_nothing_extra[z3-resize-wrapper]",
+    "test_activation_recompute.py::test_recompute_gathers_nothing_extra[z3-pool-region]",
+    "test_activation_recompute.py::test_recompute_fp8_params[current-optim_grads_params-keep]",
     # checkpoints: DTensor state dicts; exact resume on 2 ranks (ZeRO-1 Transformer: a load that
     # leaves stale compute weights, drops the optimizer state or advances Adam's step shows)
     "test_checkpoint_dist_errors.py::test_state_dicts_are_dtensors_with_global_shapes[optim_grads_params]",

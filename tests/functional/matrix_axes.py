@@ -8,7 +8,8 @@ sign-off's heat map puts the same configuration in the same cell whichever suite
   ``outer2-shard2``, ``shard2-cp2-tp2``;
 - ``zero``: the ZeRO strategy by name (``no_shard``, ``optim``, ``optim_grads``, ``optim_grads_params``);
 - ``outer``: the HSDP outer strategy (``no_shard``/``optim``), left out without one;
-- ``model``, ``dtype``, ``recipe`` (FP8), ``graph`` (``eager``, ``compile``, ``cuda_graph``): as named.
+- ``model``, ``dtype``, ``recipe`` (FP8), ``graph`` (``eager``, ``compile``, ``cuda_graph``),
+  ``recompute`` (activation recompute style, ``common/recompute.py``): as named.
 """
 from __future__ import annotations
 

@@ -157,8 +157,6 @@ def test_double_buffer_pools_zero3_units_with_identical_training(flag: str, dist
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(nccl_ub=True), r"nccl_ub=True \(NCCL user-buffer registration of the FSDP buffers\) is not supported"),
-    (dict(enable_fine_grained_param_gather=True), r"enable_fine_grained_param_gather=True is not supported: a "
-                                                  r"unit's params are gathered together"),
 ])
 def test_unsupported_switches_name_what_is_missing(kwargs: dict, match: str, dist_env: Any) -> None:
     with pytest.raises(NotImplementedError, match=match):

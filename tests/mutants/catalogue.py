@@ -257,6 +257,38 @@ def fp8_amax_not_reduced() -> None:
     replace("fsdp_impl.fp8_params:comm", make)
 
 
+# ---------------------------------------------------------------------------- activation recompute
+def recompute_pre_backward_keeps_sharded_params() -> None:
+    """A unit's pre-backward leaves the sharded DTensor params on the module (the original
+    recompute bug): a recompute inside the unit's forward code mixes DTensors and plain tensors."""
+    def make(original: Any) -> Any:
+        def pre_backward(self: Any, unit: Any) -> None:
+            original(self, unit)
+            unit.swap_out()
+        return pre_backward
+    replace("fsdp_impl.engine:FSDPEngine.pre_backward", make)
+
+
+def recompute_runs_as_a_forward() -> None:
+    """The recompute of a checkpointed unit is taken for a new forward: the next unit's gather is
+    prefetched for nothing, and after a reentrant recompute the unit is resharded before the
+    backward that reads it and gathered once more (a non-reentrant recompute stops early, before
+    the unit's post-forward hook, so only the prefetch shows there)."""
+    replace("fsdp_impl.engine:FSDPEngine.in_recompute", lambda original: lambda self: False)
+
+
+def recompute_unit_gathered_twice() -> None:
+    """A unit recomputed before its pre-backward (a region of several units) is gathered again
+    by its pre-backward: one extra all-gather per unit and step (numerics unchanged)."""
+    def make(original: Any) -> Any:
+        def pre_backward(self: Any, unit: Any) -> None:
+            if unit is not self.root:
+                unit.reshard()
+            original(self, unit)
+        return pre_backward
+    replace("fsdp_impl.engine:FSDPEngine.pre_backward", make)
+
+
 # ------------------------------------------------------------------------------------- harness
 def harness_rank0_outcome_only() -> None:
     """The harness reports a distributed test by rank 0's outcome alone: a failure on another
@@ -317,6 +349,12 @@ MUTANTS = (
            ("tests/unit/fsdp/test_graph_mode_cpu.py", "-k", "test_zero_grad_set_to_none_is_refused")),
     Mutant("fp8_amax_not_reduced", "FP8 scales from each rank's local amax",
            (F + "test_fp8.py", "-k", "test_training_matches_reference and delayed-fsdp2-eager")),
+    Mutant("recompute_pre_backward_keeps_sharded_params", "recompute inside a unit reads its sharded params",
+           (F + "test_activation_recompute.py", "-k", "test_recompute_is_bit_identical_world2 and z3-resize")),
+    Mutant("recompute_runs_as_a_forward", "recompute reshards the unit before its backward reads it",
+           (F + "test_activation_recompute.py", "-k", "test_recompute_gathers_nothing_extra and wrapper")),
+    Mutant("recompute_unit_gathered_twice", "a unit gathered for its recompute and again for its backward",
+           (F + "test_activation_recompute.py", "-k", "test_recompute_gathers_nothing_extra and region")),
     Mutant("harness_rank0_outcome_only", "the harness aggregates only rank 0's outcome",
            ("tests/unit/reports/test_signoff_harness_contract.py",)),
 )

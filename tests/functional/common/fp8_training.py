@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import fsdp_impl
 from fsdp_impl.fp8 import BlockwiseScaling, CurrentScaling, DelayedScaling, Recipe, convert_to_fp8
@@ -37,25 +38,32 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
 
 
 class Fp8Block(nn.Module):
-    """Pre-norm MLP block with a residual (an FSDP unit): LayerNorm and biases stay bf16."""
+    """Pre-norm MLP block with a residual (an FSDP unit): LayerNorm and biases stay bf16.
+    ``recompute=True`` runs the MLP under a non-reentrant ``torch.utils.checkpoint``."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, recompute: bool = False) -> None:
         super().__init__()
+        self.recompute = recompute
         self.norm = nn.LayerNorm(D, dtype=dtype)
         self.fc1 = nn.Linear(D, HIDDEN, dtype=dtype)
         self.fc2 = nn.Linear(HIDDEN, D, dtype=dtype)
 
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.norm(x))))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+        if self.recompute:
+            return x + checkpoint(self._mlp, x, use_reentrant=False)
+        return x + self._mlp(x)
 
 
 class Fp8Net(nn.Module):
     """Two blocks and a head in the root unit. The head has 3 rows for the tensorwise recipes,
     so with 4 ranks one shard of it is empty; blockwise keeps it bf16 (3 is no block multiple)."""
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16, out: int = 3) -> None:
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, out: int = 3, recompute: bool = False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([Fp8Block(dtype) for _ in range(2)])
+        self.blocks = nn.ModuleList([Fp8Block(dtype, recompute) for _ in range(2)])
         self.head = nn.Linear(D, out, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,11 +72,13 @@ class Fp8Net(nn.Module):
         return self.head(x)
 
 
-def build(recipe: str | None, fp8_params: bool = True, meta: bool = False, seed: int = 0) -> nn.Module:
-    """The model (``recipe=None``: plain bf16), same weights for the same seed, eager or meta."""
+def build(recipe: str | None, fp8_params: bool = True, meta: bool = False, seed: int = 0,
+          recompute: bool = False) -> nn.Module:
+    """The model (``recipe=None``: plain bf16), same weights for the same seed, eager or meta;
+    ``recompute``: each block's MLP recomputed in the backward."""
     torch.manual_seed(seed)
     with torch.device("meta") if meta else contextlib.nullcontext():
-        model = Fp8Net()
+        model = Fp8Net(recompute=recompute)
     if recipe is None:
         return model
     keep_head = recipe == "blockwise"

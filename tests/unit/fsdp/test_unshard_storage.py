@@ -7,6 +7,7 @@ import torch
 
 from fsdp_impl.unshard_storage import (
     SLOT_ALIGN_BYTES,
+    GatherPhase,
     PersistentStorage,
     ResizeStorage,
     UnshardPool,
@@ -105,27 +106,44 @@ def _pool_of_two_users() -> tuple[UnshardPool, _User, _User]:
 
 def test_claim_forward_overlap_raises() -> None:
     pool, a, b = _pool_of_two_users()
-    pool.claim(0, a, backward=False)
+    pool.claim(0, a, phase=GatherPhase.FORWARD)
     a.is_unsharded = True
-    pool.claim(0, a, backward=False)  # re-claim by the occupant is fine
+    pool.claim(0, a, phase=GatherPhase.FORWARD)  # re-claim by the occupant is fine
     with pytest.raises(RuntimeError, match="units 'a' and 'b' share slot 0 and would both be unsharded during forward"):
-        pool.claim(0, b, backward=False)
+        pool.claim(0, b, phase=GatherPhase.FORWARD)
     assert pool.occupant(0) is a and a.evicted == 0
 
 
 def test_claim_after_reshard_and_backward_eviction() -> None:
     pool, a, b = _pool_of_two_users()
-    pool.claim(0, a, backward=False)
+    pool.claim(0, a, phase=GatherPhase.FORWARD)
     a.is_unsharded = True
     pool.vacate(0, b)  # only the occupant vacates
     assert pool.occupant(0) is a
     pool.vacate(0, a)
     a.is_unsharded = False
-    pool.claim(0, b, backward=False)
+    pool.claim(0, b, phase=GatherPhase.FORWARD)
     assert pool.occupant(0) is b and a.evicted == 0
     b.is_unsharded = True
-    pool.claim(0, a, backward=True)  # backward: b is done (later in forward order) and evicted
+    pool.claim(0, a, phase=GatherPhase.BACKWARD)  # backward: b is done (later in forward order) and evicted
     assert pool.occupant(0) is a and b.evicted == 1 and not b.is_unsharded
+
+
+def test_recompute_claim_evicts_only_units_of_earlier_backward_epochs() -> None:
+    """A recompute (a checkpointed region's forward run again inside the backward) may take a
+    slot from a unit whose backward ran in an earlier epoch, never from one claimed in the
+    current epoch: that unit's backward is still running and reads the slot."""
+    pool, a, b = _pool_of_two_users()
+    pool.next_epoch()  # b's pre-backward
+    pool.claim(0, b, phase=GatherPhase.BACKWARD)
+    b.is_unsharded = True
+    with pytest.raises(RuntimeError, match=r"recompute of unit 'a' needs pool slot 0, which holds unit 'b' "
+                                           r"whose backward is still running.*more units than the pool's 1 slots"):
+        pool.claim(0, a, phase=GatherPhase.RECOMPUTE)
+    assert pool.occupant(0) is b and b.evicted == 0 and b.is_unsharded
+    pool.next_epoch()  # a later unit's pre-backward: b's backward is over
+    pool.claim(0, a, phase=GatherPhase.RECOMPUTE)
+    assert pool.occupant(0) is a and b.evicted == 1
 
 
 def test_resize_and_persistent_storage() -> None:
@@ -139,6 +157,6 @@ def test_resize_and_persistent_storage() -> None:
     ptr = keep.data_ptr()
     persistent = PersistentStorage()
     persistent.on_gather_start()
-    persistent.on_unshard(_User("a"), backward=False)
+    persistent.on_unshard(_User("a"), phase=GatherPhase.FORWARD)
     persistent.on_reshard(_User("a"))
     assert keep.untyped_storage().size() == 32 and keep.data_ptr() == ptr
