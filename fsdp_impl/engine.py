@@ -122,8 +122,9 @@ class FSDPEngine:
         unit.swap_in()
 
     def submodule_pre_forward(self, unit: FSDPUnit, module: nn.Module) -> None:
-        """``enable_fine_grained_param_gather``: ``module`` (holding params of ``unit``) is about
-        to run; its params must be the compute params (ZeRO-3: the unit's deferred gather)."""
+        """``module`` (holding params of ``unit``, ``FSDPUnit.hooked_submodules``) is about to run;
+        its params must be the compute params (ZeRO-3 fine-grained: the unit's deferred gather;
+        in a recompute: the FP8 row-wise bytes too)."""
         if self.in_recompute():
             self._recompute_pre_forward(unit)
             return
@@ -144,9 +145,11 @@ class FSDPEngine:
         or gathers them now when the recompute comes first (a region of several units, or a
         reentrant checkpoint around the unit, whose forward registered no pre-backward); they stay
         until the unit's post-backward. The forward order, prefetch and refresh are left alone."""
-        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and not unit.is_unsharded:
-            with record_function("FSDP::recompute_unshard"):
-                unit.unshard(GatherPhase.RECOMPUTE)
+        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+            if not unit.is_unsharded:
+                with record_function("FSDP::recompute_unshard"):
+                    unit.unshard(GatherPhase.RECOMPUTE)
+            unit.regather_fp8_rowwise()
         unit.swap_in()
 
     def _abandon_backward(self) -> None:

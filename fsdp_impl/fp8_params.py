@@ -69,6 +69,8 @@ class Fp8Param(Protocol):
 
     def has_transpose(self) -> bool: ...
 
+    def has_rowwise(self) -> bool: ...
+
 
 class NativeFp8Param:
     """The weight of a torch-native ``Float8Linear``: its bytes land in ``fp8_weight_slot``."""
@@ -99,6 +101,10 @@ class NativeFp8Param:
 
     def has_transpose(self) -> bool:
         return self.module.fp8_weight_slot.has_transpose
+
+    def has_rowwise(self) -> bool:
+        """The slot derives the row-wise weight from a kept transpose exactly (``rowwise()``)."""
+        return self.module.fp8_weight_slot.rowwise() is not None
 
 
 @dataclass
@@ -193,9 +199,24 @@ class UnitFp8:
         in_backward = torch._C._current_graph_task_id() != -1
         return not (in_backward and self.keep_transpose and all(f.has_transpose() for f in self.fp8_params))
 
-    def gather(self, weight: DataParallelBuffer, group: dist.ProcessGroup) -> torch.Tensor:
-        """All-gather ``[FP8 bytes | other params]`` (uint8, ``[n * segment]``) of the unit."""
-        self._with_fp8 = self._gathers_fp8()
+    def rowwise_ready(self) -> bool:
+        """Whether every FP8 param can run a forward GEMM now: false after a backward gather that
+        skipped the FP8 bytes (``keep_fp8_transpose_cache``), which an activation recompute in
+        that backward needs (``FSDPUnit.regather_fp8_rowwise``)."""
+        return all(f.has_rowwise() for f in self.fp8_params)
+
+    def modules(self) -> list[nn.Module]:
+        """The modules holding this unit's FP8 params (each once)."""
+        seen: dict[int, nn.Module] = {}
+        for f in self.fp8_params:
+            module = f.managed.locations[0][0]
+            seen.setdefault(id(module), module)
+        return list(seen.values())
+
+    def gather(self, weight: DataParallelBuffer, group: dist.ProcessGroup, force_fp8: bool = False) -> torch.Tensor:
+        """All-gather ``[FP8 bytes | other params]`` (uint8, ``[n * segment]``) of the unit
+        (``force_fp8``: the FP8 bytes too where ``_gathers_fp8`` would leave them out)."""
+        self._with_fp8 = force_fp8 or self._gathers_fp8()
         fp8_bytes = self.fp8_bytes if self._with_fp8 else 0
         segment = fp8_bytes + self.other_bytes
         local = self._send[self.fp8_bytes - fp8_bytes:]  # [FP8 bytes |] other params

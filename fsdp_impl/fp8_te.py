@@ -139,6 +139,12 @@ class TeFp8Param:
         if not keep_transpose:
             _invalidate_transpose(self.tensor)
 
+    def has_rowwise(self) -> bool:
+        """Whether the bytes the forward GEMM reads are in place (``release`` with
+        ``keep_transpose`` keeps only the column-wise plane, for the backward)."""
+        return all(getattr(self.tensor, field) is not None
+                   for plane, field in enumerate(self.fields) if plane != self.transpose_plane)
+
     def has_transpose(self) -> bool:
         if self.transpose_plane is not None:
             data = self.storage[self.transpose_plane]

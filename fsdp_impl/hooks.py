@@ -76,17 +76,15 @@ class _GradReady(_UnitHook):
 
 def register_hooks(engine: FSDPEngine, unit_modules: list[nn.Module]) -> list[RemovableHandle]:
     """Forward pre/post hooks on each unit module (the root is driven by the wrapper's forward),
-    with ``enable_fine_grained_param_gather`` a pre-forward hook on every module holding a
-    non-root unit's params (after the unit's own), and a post-accumulate-grad hook on every
-    trainable compute param."""
+    a pre-forward hook on the submodules ``FSDPUnit.hooked_submodules`` names (after the unit's
+    own), and a post-accumulate-grad hook on every trainable compute param."""
     handles: list[RemovableHandle] = []
     for unit, module in zip(engine.units, unit_modules, strict=True):
         if unit is not engine.root:
             handles.append(module.register_forward_pre_hook(_PreForward(engine, unit)))
             handles.append(module.register_forward_hook(_PostForward(engine, unit)))
-            if unit.ctx.fine_grained:
-                handles += [m.register_forward_pre_hook(_SubmodulePreForward(engine, unit))
-                            for m in unit.param_modules()]
+            handles += [m.register_forward_pre_hook(_SubmodulePreForward(engine, unit))
+                        for m in unit.hooked_submodules()]
         for p in unit.trainable:
             handles.append(p.unsharded.register_post_accumulate_grad_hook(_GradReady(engine, unit, p)))
     return handles

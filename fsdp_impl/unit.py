@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.profiler import record_function
 
 from . import comm
 from .buffers import DataParallelBuffer, ParameterGroup
@@ -241,13 +242,22 @@ class FSDPUnit:
                                           fused=not self.ctx.graph_mode)
         self.synced_version = self.version_signature()
 
-    def _start_gather(self) -> _Gather:
+    def regather_fp8_rowwise(self) -> None:
+        """An activation recompute inside the backward needs the FP8 weights' row-wise bytes,
+        which the backward gather skipped under ``keep_fp8_transpose_cache``: gather them now
+        (one more all-gather of the unit; every rank recomputes the same units)."""
+        if self.fp8 is None or self.fp8.rowwise_ready():
+            return
+        with record_function("FSDP::recompute_fp8_gather"):
+            self._finish_gather(self._start_gather(force_fp8=True))
+
+    def _start_gather(self, force_fp8: bool = False) -> _Gather:
         """One all-gather of the unit's shards, cast to the compute dtype, on the gather stream."""
         stream = self.ctx.streams.gather
         version = self.version_signature() if self.tracks_versions else self.synced_version
         with stream.use():
             if self.fp8 is not None:  # FP8 params travel as FP8 bytes
-                gathered = self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group)
+                gathered = self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group, force_fp8)
             else:
                 gathered = self._gather_compute_dtype()
         return _Gather(gathered, stream.record(), version)
@@ -342,6 +352,18 @@ class FSDPUnit:
             for module, _ in p.locations:
                 seen.setdefault(id(module), module)
         return list(seen.values())
+
+    def hooked_submodules(self) -> list[nn.Module]:
+        """Modules whose own pre-forward must reach the engine: every module holding the unit's
+        params with ``enable_fine_grained_param_gather``; else, under ZeRO-3 with
+        ``keep_fp8_transpose_cache``, the FP8 modules (a recompute of one needs its row-wise
+        bytes back, ``regather_fp8_rowwise``)."""
+        if self.ctx.fine_grained:
+            return self.param_modules()
+        zero3 = self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
+        if self.fp8 is not None and self.fp8.keep_transpose and zero3:
+            return self.fp8.modules()
+        return []
 
     def swap_out(self) -> None:
         for p in self.params:

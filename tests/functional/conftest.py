@@ -25,6 +25,9 @@ L0_CELLS = (
     "test_activation_recompute.py::test_recompute_gathers_nothing_extra[z3-resize-wrapper]",
     "test_activation_recompute.py::test_recompute_gathers_nothing_extra[z3-pool-region]",
     "test_activation_recompute.py::test_recompute_fp8_params[current-optim_grads_params-keep]",
+    # GPU only: a captured step with recompute replays like eager; TE FP8 params recomputed
+    "test_activation_recompute_gpu.py::test_recompute_cuda_graph_replay[pool-3]",
+    "test_activation_recompute_gpu.py::test_recompute_te_fp8_params[current-3-keep]",
     # checkpoints: DTensor state dicts; exact resume on 2 ranks (ZeRO-1 Transformer: a load that
     # leaves stale compute weights, drops the optimizer state or advances Adam's step shows)
     "test_checkpoint_dist_errors.py::test_state_dicts_are_dtensors_with_global_shapes[optim_grads_params]",

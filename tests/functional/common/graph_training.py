@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils.checkpoint import checkpoint
 
 import fsdp_impl
 from fsdp_impl.decoupled import local_tensor
@@ -22,22 +23,30 @@ IN, HIDDEN, OUT, LAYERS, LOCAL_BATCH = 12, 32, 3, 3, 4  # OUT=3 rows: uneven sha
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int) -> None:
+    """``recompute``: the block's layers run under a non-reentrant ``torch.utils.checkpoint``."""
+
+    def __init__(self, hidden: int, recompute: bool = False) -> None:
         super().__init__()
+        self.recompute = recompute
         self.lin = nn.Linear(hidden, hidden)
         self.norm = nn.LayerNorm(hidden)
 
+    def _layers(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.norm(self.lin(x)))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.gelu(self.norm(self.lin(x)))
+        if self.recompute:
+            return x + checkpoint(self._layers, x, use_reentrant=False)
+        return x + self._layers(x)
 
 
 class GraphNet(nn.Module):
     """``inp`` and ``out`` live in the root unit; each ``Block`` is a unit."""
 
-    def __init__(self) -> None:
+    def __init__(self, recompute: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(IN, HIDDEN)
-        self.blocks = nn.Sequential(*[Block(HIDDEN) for _ in range(LAYERS)])
+        self.blocks = nn.Sequential(*[Block(HIDDEN, recompute) for _ in range(LAYERS)])
         self.out = nn.Linear(HIDDEN, OUT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,11 +94,12 @@ def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {kind!r}")
 
 
-def wrap(case: GraphCase, device: torch.device, graph_mode: bool, seed: int = 0,
+def wrap(case: GraphCase, device: torch.device, graph_mode: bool, seed: int = 0, recompute: bool = False,
          **kwargs: Any) -> tuple[FullyShardedModule, torch.optim.Optimizer]:
-    """The model of ``seed`` on ``device`` in the case's compute dtype, wrapped with fully_shard."""
+    """The model of ``seed`` on ``device`` in the case's compute dtype, wrapped with fully_shard
+    (``recompute``: every block recomputes its layers in the backward)."""
     torch.manual_seed(seed)
-    module = GraphNet().to(device=device, dtype=case.dtype)
+    module = GraphNet(recompute).to(device=device, dtype=case.dtype)
     opt = make_optimizer(case.optimizer, module.parameters())
     policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
     return fsdp_impl.fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=case.strategy,

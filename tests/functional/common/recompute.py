@@ -54,14 +54,15 @@ def _save_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> C
 class RecomputeBlock(nn.Module):
     """``x + proj(norm0(x))`` then ``h + mlp(h)``, the MLP recomputed as ``style`` says."""
 
-    def __init__(self, style: str = "none", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, style: str = "none", dtype: torch.dtype = torch.float32, d: int = D,
+                 hidden: int = HIDDEN) -> None:
         super().__init__()
         self.style = style
-        self.norm0 = nn.LayerNorm(D, dtype=dtype)
-        self.proj = nn.Linear(D, D, bias=False, dtype=dtype)
-        self.norm = nn.LayerNorm(D, dtype=dtype)
-        self.fc1 = nn.Linear(D, HIDDEN, dtype=dtype)
-        self.fc2 = nn.Linear(HIDDEN, D, dtype=dtype)
+        self.norm0 = nn.LayerNorm(d, dtype=dtype)
+        self.proj = nn.Linear(d, d, bias=False, dtype=dtype)
+        self.norm = nn.LayerNorm(d, dtype=dtype)
+        self.fc1 = nn.Linear(d, hidden, dtype=dtype)
+        self.fc2 = nn.Linear(hidden, d, dtype=dtype)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(self.norm(h))))
@@ -82,14 +83,14 @@ class RecomputeNet(nn.Module):
     ``region`` checkpoints ``region`` consecutive blocks at a time."""
 
     def __init__(self, style: str = "none", layers: int = 4, dtype: torch.dtype = torch.float32,
-                 region: int = 2) -> None:
+                 region: int = 2, d: int = D, hidden: int = HIDDEN) -> None:
         super().__init__()
         if style not in STYLES:
             raise ValueError(f"style {style!r}; allowed: {STYLES}")
         self.style, self.region = style, region
-        self.inp = nn.Linear(D_IN, D, dtype=dtype)
-        self.blocks = nn.ModuleList([RecomputeBlock(style, dtype) for _ in range(layers)])
-        self.out = nn.Linear(D, D_OUT, dtype=dtype)
+        self.inp = nn.Linear(D_IN, d, dtype=dtype)
+        self.blocks = nn.ModuleList([RecomputeBlock(style, dtype, d, hidden) for _ in range(layers)])
+        self.out = nn.Linear(d, D_OUT, dtype=dtype)
 
     def _run(self, i: int, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks[i:i + self.region]:
@@ -116,11 +117,11 @@ def wrap_blocks(module: nn.Module, reentrant: bool = False) -> None:
 
 
 def build_net(style: str, seed: int = 0, device: str | None = None, layers: int = 4,
-              dtype: torch.dtype = torch.float32, region: int = 2) -> nn.Module:
+              dtype: torch.dtype = torch.float32, region: int = 2, d: int = D, hidden: int = HIDDEN) -> nn.Module:
     """The model for ``style`` (seeded; the wrapper styles applied before wrapping already)."""
     torch.manual_seed(seed)
     with torch.device(device) if device is not None else contextlib.nullcontext():
-        net = RecomputeNet(style, layers, dtype, region)
+        net = RecomputeNet(style, layers, dtype, region, d, hidden)
     if style in ("wrapper", "wrapper_reentrant"):
         wrap_blocks(net, reentrant=style == "wrapper_reentrant")
     return net
