@@ -12,10 +12,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .expert import is_expert_param
+
+if TYPE_CHECKING:
+    from .config import FSDPConfig
+    from .parallel_dims import ParallelDims
 
 _HASH_BITS = 62  # non-negative, and its negation fits int64 too
 
@@ -81,3 +89,36 @@ def _describe(what: str, per_rank: list[Any]) -> str:
                 return f"{what} differ at entry {index} ({shown}); entries per rank: {counts}"
     shown = "; ".join(f"{_ranks_text(r)}: {v!r}" for r, v in _by_value(per_rank))
     return f"{what} differs ({shown})"
+
+
+def agreement_items(module: nn.Module, mesh: DeviceMesh, classes: tuple[type, ...], config: FSDPConfig,
+                    dims: ParallelDims, expert_dims: ParallelDims | None,
+                    device: torch.device) -> list[tuple[str, Any]]:
+    """What every rank must pass to ``fully_shard`` identically, as rank-independent values
+    (names, not objects)."""
+    params = [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad,
+               is_expert_param(name, p) and expert_dims is not None)
+              for name, p in module.named_parameters()]
+
+    def mesh_of(d: ParallelDims | None) -> Any:
+        return None if d is None else (d.mesh.device_type, d.mesh.mesh.tolist(), d.mesh.mesh_dim_names,
+                                       d.inner_mesh.mesh_dim_names, d.outer_group is not None,
+                                       None if d.hybrid_group is None else dist.get_world_size(d.hybrid_group))
+
+    strategy, outer = config.strategy, config.outer_strategy
+    return [
+        ("zero_dp_strategy", f"{strategy.name.lower()!r}/{int(strategy)}"),
+        ("outer_dp_sharding_strategy", f"{outer.name.lower()!r}/{int(outer)}"),
+        ("fsdp_unit_modules", tuple(f"{c.__module__}.{c.__qualname__}" for c in classes)),
+        ("mixed_precision_policy", repr(config.mixed_precision_policy)),
+        ("flags", dict(sorted(config.switches().items()))),
+        ("unshard storage", repr(config.unshard)),
+        ("device type", device.type),
+        ("device_mesh", (mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names)),
+        ("(mesh, dp_shard_dim, dp_outer given, hybrid_fsdp_group size)", mesh_of(dims)),
+        ("tp_dim", dims.tp_dim),
+        ("expt_device_mesh (mesh, dp_shard_dim, dp_outer given, hybrid_fsdp_expt_group size)",
+         mesh_of(expert_dims)),
+        ("module class", f"{type(module).__module__}.{type(module).__qualname__}"),
+        ("parameters (name, shape, dtype, requires_grad, expert)", params),
+    ]

@@ -1,4 +1,5 @@
-"""Build a wrapped model's units and engine from arguments ``api`` has already checked.
+"""Build a wrapped model from a checked ``FSDPConfig``: resolve the groups, agree across ranks,
+then units, engine, hooks and the wrapper (``wrap_model``; ``api`` is only the public surface).
 
 ``GroupSet`` is one set of groups that units shard over: the ordinary data-parallel groups, and
 with expert parallelism a second set over the expert mesh. Each has its own ``UnitContext``
@@ -7,23 +8,53 @@ root) whose params belong to both sets becomes two units driven by the same modu
 """
 from __future__ import annotations
 
+import functools
+import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from .device import CommStreams
-from .expert import split_experts
+from .agreement import agreement_items, check_ranks_agree
+from .buffers import ParamAndGradBuffer
+from .config import FSDPConfig
+from .device import CommStreams, resolve_device
+from .discovery import assign_params, find_unit_modules
+from .engine import FSDPEngine
+from .expert import resolve_expert_dims, split_experts
+from .fp8_params import has_fp8_params, model_fp8, unit_fp8
 from .grad_reduce import GradScaling, OuterGradReducer, two_level_groups
+from .graph_mode import check_cuda_graph_mode
+from .hooks import register_hooks
+from .mesh import DistIndex, build_mesh
 from .meta_init import materialise, sync_rng_from_rank0
-from .parallel_dims import ParallelDims, attach_tp_specs
+from .module import FullyShardedModule
+from .optimizer_binding import ENGINE_REF_ATTR
+from .parallel_dims import ParallelDims, attach_tp_specs, check_gather_group, resolve_parallel_dims
 from .param import ManagedParam
-from .policy import MixedPrecisionPolicy, ShardingStrategy
-from .unit import FSDPUnit, UnitContext
-from .unshard_storage import UnshardStorage
+from .unit import FSDPUnit, UnitContext, attach_unshard_pool
+from .validation import validate
 
 EXPERT_SUFFIX = "[experts]"
+logger = logging.getLogger("fsdp_impl.api")
+
+
+@dataclass(frozen=True)
+class MeshArgs:
+    """``fully_shard``'s mesh and group arguments, as given."""
+
+    device_mesh: DeviceMesh | None = None
+    dp_shard_dim: str | None = None
+    dp_outer_dim: str | None = None
+    tp_dim: str | None = None
+    hybrid_fsdp_group: dist.ProcessGroup | None = None
+    hybrid_fsdp_expt_group: dist.ProcessGroup | None = None
+    expt_device_mesh: DeviceMesh | None = None
+    fsdp_group_ag: dist.ProcessGroup | None = None
+    expt_fsdp_group_ag: dist.ProcessGroup | None = None
 
 
 @dataclass
@@ -43,17 +74,17 @@ class GroupSet:
         return self.dims.inner_mesh.size()
 
 
-def make_context(groups: GroupSet, strategy: ShardingStrategy, policy: MixedPrecisionPolicy,
-                 device: torch.device, streams: CommStreams, prefetch: bool, graph_mode: bool,
-                 unshard: UnshardStorage) -> UnitContext:
+def make_context(groups: GroupSet, config: FSDPConfig, device: torch.device, streams: CommStreams) -> UnitContext:
     """The context of the units over ``groups`` (``two_level_groups`` is a collective)."""
     group = groups.dims.shard_group or groups.dims.shard_mesh.get_group()
-    return UnitContext(strategy=strategy, shard_mesh=groups.dims.shard_mesh, group=group,
+    return UnitContext(strategy=config.strategy, shard_mesh=groups.dims.shard_mesh, group=group,
                        plan=groups.dims.plan, rank=dist.get_rank(group), world=dist.get_world_size(group),
-                       device=device, policy=policy, streams=streams,
+                       device=device, policy=config.mixed_precision_policy, streams=streams,
                        two_level=two_level_groups(groups.dims, device), grad_scaling=groups.scaling,
-                       gather_group=groups.gather_group, prefetch=prefetch, graph_mode=graph_mode,
-                       unshard=unshard)
+                       gather_group=groups.gather_group, prefetch=config.overlap_param_gather,
+                       graph_mode=config.cuda_graph_mode, unshard=config.unshard,
+                       fp8_setup=functools.partial(unit_fp8, keep_transpose=config.keep_fp8_transpose_cache),
+                       fine_grained=config.enable_fine_grained_param_gather)
 
 
 @dataclass
@@ -136,3 +167,96 @@ def outer_reducer(units: list[FSDPUnit], dims: ParallelDims, expert_dims: Parall
     if all(g is None for g in groups):
         return None
     return OuterGradReducer(groups, scaling.op)
+
+
+def _scaling(config: FSDPConfig, dp_size: int, reduce_size: int) -> GradScaling:
+    return GradScaling.for_units(config.average_in_collective, config.calculate_per_token_loss, dp_size, reduce_size)
+
+
+def wrap_model(module: nn.Module, config: FSDPConfig, classes: tuple[type[nn.Module], ...], mesh_args: MeshArgs,
+               device: object) -> FullyShardedModule:
+    """Resolve the mesh and groups, check the module against them, make every rank agree, then
+    build the wrapper (nothing is allocated before the checks pass)."""
+    m = mesh_args
+    mesh, inner_mesh = build_mesh(m.device_mesh, m.dp_shard_dim, m.tp_dim)
+    validate(module, mesh, m.dp_outer_dim, m.tp_dim, config)
+    config = config.with_unshard(
+        check_cuda_graph_mode(mesh.device_type, config.report_nan_in_param_grad, config.unshard)
+        if config.cuda_graph_mode else config.unshard.resolve(False))
+    dims = resolve_parallel_dims(mesh, inner_mesh, m.dp_shard_dim, m.dp_outer_dim, m.tp_dim, m.hybrid_fsdp_group,
+                                 config.strategy, config.outer_strategy)
+    shard_dim = m.dp_shard_dim or (inner_mesh.mesh_dim_names or ("",))[0]
+    expert_dims = resolve_expert_dims(module, m.expt_device_mesh, shard_dim, m.dp_outer_dim, m.tp_dim,
+                                      m.hybrid_fsdp_expt_group, m.expt_fsdp_group_ag, config.strategy,
+                                      config.outer_strategy)
+    if expert_dims is not None and has_fp8_params(module):
+        raise NotImplementedError("expt_device_mesh with FP8 parameters is not implemented yet: requantising FP8 "
+                                  "weights over a separate expert group is not supported; pass "
+                                  "expt_device_mesh=None, or build the model without FP8 parameters")
+    resolved_device = resolve_device(device, mesh)
+    check_gather_group(m.fsdp_group_ag, dims, "fsdp_group_ag")
+    if expert_dims is not None:
+        check_gather_group(m.expt_fsdp_group_ag, expert_dims, "expt_fsdp_group_ag")
+    check_ranks_agree(agreement_items(module, mesh, classes, config, dims, expert_dims, resolved_device),
+                      resolved_device)
+    ordinary = GroupSet(dims, GradScaling(), m.fsdp_group_ag)
+    ordinary.scaling = _scaling(config, ordinary.dp_size, ordinary.dp_size)
+    experts = None
+    if expert_dims is not None:
+        experts = GroupSet(expert_dims, GradScaling(), m.expt_fsdp_group_ag)
+        experts.scaling = _scaling(config, ordinary.dp_size, experts.dp_size)
+    return _assemble(module, classes, config, resolved_device, ordinary, experts)
+
+
+def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], config: FSDPConfig, device: torch.device,
+              ordinary: GroupSet, experts: GroupSet | None) -> FullyShardedModule:
+    """Units, engine, hooks and wrapper (the arguments are checked and agreed on)."""
+    found = find_unit_modules(module, classes)
+    names = [name for name, _ in found] + [""]
+    layout = split_units(names, [m for _, m in found] + [module], assign_params(module, names[:-1]),
+                         ordinary.dims, experts.dims if experts is not None else None)
+    streams = CommStreams(device, config.overlap_param_gather, config.overlap_grad_reduce,
+                          record_streams=not config.cuda_graph_mode)
+    ctx = make_context(ordinary, config, device, streams)
+    expert_ctx = make_context(experts, config, device, streams) if experts is not None else None
+    per_match, units, modules = build_units(layout, ctx, expert_ctx)
+    shard_units(module, per_match, layout, device, config.init_model_with_meta_device)
+    for context in (ctx, expert_ctx):  # ZeRO-3 + pool only: the non-root units of each group set
+        if context is not None:
+            attach_unshard_pool([u for u in units[:-1] if u.ctx is context], context)
+    reducer = outer_reducer(units, ordinary.dims, experts.dims if experts is not None else None, expert_ctx,
+                            ordinary.scaling)
+    # FP8 weights requantised over the shard group; delayed-scaling amaxes over every dp rank
+    fp8 = model_fp8(module, units, ctx.group, ordinary.dims.hybrid_group or ctx.group)
+    engine = FSDPEngine(units, units[-1], ctx, config, reducer, fp8)
+    handles = register_hooks(engine, modules)
+    buffer = ParamAndGradBuffer([u.group for u in units], config.use_decoupled_grad)
+    wrapper = FullyShardedModule(module, engine, buffer, _dist_index(ordinary, experts), handles)
+    for unit in units:
+        for p in unit.params:
+            setattr(p.sharded, ENGINE_REF_ATTR, weakref.ref(engine))  # what fully_shard_optimizer finds
+            p.release_orig()  # the user's unsharded tensors must not outlive the wrap
+    if logger.isEnabledFor(logging.DEBUG):
+        _log_wrap(engine, ordinary.dims)
+    return wrapper
+
+
+def _dist_index(ordinary: GroupSet, experts: GroupSet | None) -> DistIndex:
+    def index(g: GroupSet, expert: DistIndex | None = None) -> DistIndex:
+        d = g.dims
+        return DistIndex(d.mesh, d.inner_mesh, d.outer_group, d.hybrid_group, d.tp_group, g.gather_group, expert)
+    return index(ordinary, index(experts) if experts is not None else None)
+
+
+def _log_wrap(engine: FSDPEngine, dims: ParallelDims) -> None:
+    """Debug summary of a wrap: strategy, groups, and per unit its params and shard sizes."""
+    ctx = engine.ctx
+    logger.debug("fully_shard: strategy=%s, shard group rank %d of %d on %s, HSDP outer reduce=%s, "
+                 "HFSDP two-level reduce=%s, tp=%s, %d units", ctx.strategy.name.lower(), ctx.rank,
+                 ctx.world, ctx.device, dims.hsdp_reduce_group is not None, ctx.two_level is not None,
+                 dims.tp_dim if dims.tp_group is not None else None, len(engine.units))
+    for unit in engine.units:
+        grad_numel = unit.grad.layout.segment_numel if unit.grad is not None else 0
+        logger.debug("fully_shard unit %r: %d params (%d trainable), weight shard %d x %s, grad shard %d x %s",
+                     unit.name, len(unit.params), len(unit.trainable), unit.weight.layout.segment_numel,
+                     unit.dtypes.main_params, grad_numel, unit.dtypes.main_grads)

@@ -26,7 +26,10 @@ try:  # dp-over-tp row sharding (fsdp_impl.placement); not a Shard subclass on e
 except ImportError:  # pragma: no cover - depends on the torch build
     _SHARD_TYPES = (Shard,)
 
-from fsdp_impl.decoupled import DTensor, grad_attr_name, local_tensor, read_grad
+from torch.distributed.tensor import DTensor
+
+from fsdp_impl.decoupled import grad_attr_name, read_grad
+from fsdp_impl.placement import local_tensor
 
 __all__ = ["clip_grad_norm"]
 

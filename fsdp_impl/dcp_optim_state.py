@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .checkpoint._state import user_optimizer_class
-from .decoupled import local_tensor
+from .placement import local_tensor
 
 _DUMMY_SHAPE = (2, 3)
 

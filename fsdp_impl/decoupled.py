@@ -21,7 +21,8 @@ from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from .placement import local_tensor
 
 __all__ = [
     "DECOUPLED_GRAD_ATTR",
@@ -30,7 +31,6 @@ __all__ = [
     "clear_grad",
     "clear_grads",
     "grad_attr_name",
-    "local_tensor",
     "optimizer_reads_decoupled_grad",
     "read_grad",
 ]
@@ -80,17 +80,6 @@ def clear_grads(params: Iterable[torch.Tensor], use_decoupled_grad: bool, set_to
     """``clear_grad`` for each of ``params``."""
     for param in params:
         clear_grad(param, use_decoupled_grad, set_to_none)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank-local storage of a DTensor (a view, updatable in place), else the tensor itself.
-
-    ``_local_tensor`` is used instead of ``to_local()`` because it never goes through autograd
-    and is always the very tensor the DTensor wraps, including empty shards.
-    """
-    if isinstance(tensor, DTensor):
-        return tensor._local_tensor
-    return tensor
 
 
 @runtime_checkable

@@ -20,6 +20,27 @@ def pick_device(mesh: DeviceMesh) -> torch.device:
     return torch.device("cpu")
 
 
+def resolve_device(device: object, mesh: DeviceMesh) -> torch.device:
+    """``device`` (fully_shard's argument) checked against the mesh: it must be of the mesh's
+    device type; ``None`` or an index-less device means the current device of that type."""
+    default = pick_device(mesh)
+    if device is None:
+        return default
+    try:
+        resolved = torch.device(device)  # type: ignore[call-overload]
+    except (TypeError, RuntimeError) as err:
+        raise TypeError(f"device must be a torch.device, a device string or None, got {device!r}") from err
+    if resolved.type != default.type:
+        raise ValueError(f"device={str(resolved)!r} does not match the device mesh, whose device type is "
+                         f"{mesh.device_type!r}; allowed values: None or a {mesh.device_type!r} device "
+                         f"(e.g. {str(default)!r})")
+    if resolved.index is not None and default.index is not None and resolved.index != default.index:
+        raise ValueError(f"device={str(resolved)!r} is not this rank's current device {str(default)!r}; the "
+                         "process group communicates on the current device: pass None or "
+                         f"{str(default)!r}, or set the current device first")
+    return default
+
+
 def get_rng_state(device: torch.device) -> torch.Tensor:
     """State of the generator that initialises tensors on ``device``."""
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()

@@ -17,27 +17,28 @@ from . import comm
 from .grad_reduce import OuterGradReducer
 from .param import ManagedParam
 from .policy import ShardingStrategy
-from .unit import FSDPUnit, UnitContext
+from .unit import FSDPUnit, TrainingState, UnitContext
 from .unshard_storage import GatherPhase
 
 if TYPE_CHECKING:
+    from .config import FSDPConfig
     from .fp8_params import ModelFp8
 
 
 class FSDPEngine:
     """Drives the units of one model through forward, backward and grad sync."""
 
-    def __init__(self, units: list[FSDPUnit], root: FSDPUnit, ctx: UnitContext, sync: bool,
-                 use_decoupled_grad: bool, report_nan: bool,
-                 outer_reducer: OuterGradReducer | None = None) -> None:
+    def __init__(self, units: list[FSDPUnit], root: FSDPUnit, ctx: UnitContext, config: FSDPConfig,
+                 outer_reducer: OuterGradReducer | None = None, fp8: ModelFp8 | None = None) -> None:
         self.units = units  # fixed order, identical on every rank; root is last
         self.root = root
         self.ctx = ctx
-        self.sync = sync
-        self.use_decoupled_grad = use_decoupled_grad
-        self.report_nan = report_nan
+        self.config = config
+        self.sync = config.sync_model_each_microbatch  # set_model_auto_sync changes it
+        self.use_decoupled_grad = config.use_decoupled_grad
+        self.report_nan = config.report_nan_in_param_grad
         self.outer_reducer = outer_reducer  # HSDP: averages grads across dp_outer once per cycle
-        self.fp8: ModelFp8 | None = None  # FP8 params / delayed scaling (fp8_params.py), set at wrap
+        self.fp8 = fp8  # FP8 params / delayed scaling (fp8_params.py)
         self.comm_dtype_override: torch.dtype | None = None
         self._callback_queued = False
         # From the first pre-backward (or grad) of a backward until its end-of-backward callback:
@@ -108,9 +109,9 @@ class FSDPEngine:
             self._order = []
         else:
             self._order.append(unit)
-            unit.in_forward = True
-            if zero3 and unit.ctx.fine_grained:  # gathered by its first submodule with params
-                return
+        unit.state = TrainingState.FORWARD
+        if zero3 and unit.ctx.fine_grained and unit is not self.root:  # its first submodule with params gathers it
+            return
         if zero3:
             unit.unshard()
             self._prefetch_after(unit, self._prev_order, +1)
@@ -128,7 +129,7 @@ class FSDPEngine:
         if self.in_recompute():
             self._recompute_pre_forward(unit)
             return
-        if not unit.in_forward:
+        if unit.state != TrainingState.FORWARD:
             raise RuntimeError(
                 f"{type(module).__name__} holds params of FSDP unit {unit.name!r} but ran outside that unit's "
                 "forward, where its params are sharded DTensors; call it from the unit's forward, or make it "
@@ -177,7 +178,7 @@ class FSDPEngine:
             if torch.is_grad_enabled():  # a reentrant recompute's inner backward: prefetch from here
                 self._register_pre_backward(unit, output)
             return
-        unit.in_forward = False
+        unit.state = TrainingState.IDLE
         unit.swap_out()
         if unit is not self.root:
             unit.reshard()
@@ -207,6 +208,8 @@ class FSDPEngine:
         backward follows); every strategy registers the compute params on the module again, so a
         recompute inside the unit's forward code reads them, as the forward did."""
         self._ensure_callback()
+        if unit.state != TrainingState.POST_BACKWARD:
+            unit.state = TrainingState.PRE_BACKWARD
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
             with record_function("FSDP::pre_backward"):
                 unit.storage.on_pre_backward()

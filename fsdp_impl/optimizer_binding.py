@@ -11,13 +11,29 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from .decoupled import clear_grads, local_tensor
+from .decoupled import clear_grads
 from .engine import FSDPEngine
 from .graph_mode import USER_CLASS_ATTR, check_optimizer_capturable
+from .placement import local_tensor
 
 # Attribute on each sharded param: a weakref to its model's engine, so an optimizer built on
 # ``model.parameters()`` can find the engines whose buffers its ``zero_grad`` must reset.
 ENGINE_REF_ATTR = "_fsdp_engine_ref"
+
+
+def param_mapping(model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
+    """id(original param) -> DTensor shard, plus the shards themselves (already-remapped optimizers).
+
+    The original ids are only meaningful while the originals are alive: ``fully_shard`` checked
+    before wrapping that every optimizer param is a module param, and the optimizer keeps those
+    alive, so no id in its groups can have been reused by another object."""
+    mapping: dict[int, torch.nn.Parameter] = {}
+    engine: FSDPEngine = model._fsdp_engine  # type: ignore[assignment]
+    for unit in engine.units:
+        for p in unit.params:
+            mapping[p.orig_id] = p.sharded
+            mapping[id(p.sharded)] = p.sharded
+    return mapping
 
 
 def remap_optimizer_params(optimizer: torch.optim.Optimizer, mapping: dict[int, torch.nn.Parameter]) -> None:

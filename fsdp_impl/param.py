@@ -11,9 +11,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .decoupled import local_tensor
 from .fp8_te import high_precision_value, is_te_quantized
-from .placement import TPSpec
+from .placement import TPSpec, local_tensor
 
 
 class ManagedParam:

@@ -27,6 +27,17 @@ from torch.distributed.tensor.placement_types import Placement
 from .buffers import contiguous_stride
 from .mesh import mesh_dim_names, submesh
 
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local storage of a DTensor (a view, updatable in place), else the tensor itself.
+
+    ``_local_tensor`` is used instead of ``to_local()`` because it never goes through autograd
+    and is always the very tensor the DTensor wraps, including empty shards.
+    """
+    if isinstance(tensor, DTensor):
+        return tensor._local_tensor
+    return tensor
+
 # Private, but what FSDP2 itself uses for dp-over-tp row sharding (present in torch 2.11 and
 # 2.13); None on a build without it, which then refuses row-sharded TP params.
 _STRIDED_SHARD: Callable[..., Placement] | None = getattr(placement_types, "_StridedShard", None)

@@ -6,6 +6,7 @@ unit issues go through the shard group in a fixed order, so every rank issues th
 """
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,12 +19,12 @@ from torch.profiler import record_function
 
 from . import comm
 from .buffers import DataParallelBuffer, ParameterGroup
-from .decoupled import grad_attr_name, local_tensor
+from .decoupled import grad_attr_name
 from .device import CommStreams, is_capturing
 from .grad_reduce import GradScaling, TwoLevelGroups, UnitGradReduce, unit_grad_reduce
 from .grad_staging import GradStaging
 from .param import ManagedParam
-from .placement import PlacementPlan
+from .placement import PlacementPlan, local_tensor
 from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
 from .sharding import FlatLayout, shard_row_range
 from .unshard_storage import (
@@ -49,6 +50,15 @@ def _preserve_versions(params: list[ManagedParam]) -> torch.autograd._unsafe_pre
         if p.compute_local() is not p.unsharded:
             tensors.append(p.compute_local())
     return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
+
+
+class TrainingState(enum.Enum):
+    """Where a unit is in the current step (FSDP2's ``TrainingState``); the engine moves it."""
+
+    IDLE = "idle"
+    FORWARD = "forward"  # between its pre- and post-forward (a recompute does not count)
+    PRE_BACKWARD = "pre_backward"  # its pre-backward fired; its grads are arriving
+    POST_BACKWARD = "post_backward"  # its grads of this backward are reduced (or handed on)
 
 
 @dataclass
@@ -140,9 +150,8 @@ class FSDPUnit:
         self._gather: _Gather | None = None  # a prefetched all-gather not yet consumed
         self._in_place_gather: bool | None = None  # see _gathers_in_place (decided at the first gather)
         self.reduce_event: torch.cuda.Event | None = None  # CUDA: marks the last grad reduction done
-        self.post_backward_done = False
-        self.is_unsharded = False
-        self.in_forward = False  # between the unit's pre- and post-forward (not in a recompute)
+        self.state = TrainingState.IDLE
+        self.is_unsharded = False  # the compute params hold valid values (ZeRO-3: gathered)
         self.synced_version = -1  # weight-buffer version the compute params were built from
         self._grad_cache: list[torch.Tensor | None] = [None] * len(self.trainable)
         self.fp8: UnitFp8 | None = None  # FP8 params: gathered as FP8 bytes (fp8_params.py)
@@ -339,7 +348,7 @@ class FSDPUnit:
         """Give the compute storage back (how: the unshard storage) and the FP8 bytes."""
         self.storage.on_reshard(self)
         if self.fp8 is not None:
-            self.fp8.release(after_backward=self.post_backward_done)
+            self.fp8.release(after_backward=self.state == TrainingState.POST_BACKWARD)
 
     def swap_in(self) -> None:
         for p in self.params:
@@ -399,10 +408,9 @@ class FSDPUnit:
 
     def reduce_grads(self, sync: bool, comm_dtype: torch.dtype) -> None:
         """Once per backward: ZeRO-2/3 reduce-scatter now; ZeRO-0/1 only on the sync step."""
-        if self.post_backward_done or self.grad is None:
-            self.post_backward_done = True
+        done, self.state = self.state == TrainingState.POST_BACKWARD, TrainingState.POST_BACKWARD
+        if done or self.grad is None:
             return
-        self.post_backward_done = True
         if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
             full = self._staging().take_pending(comm_dtype)  # zeros if no grad arrived: still join
         elif sync:
@@ -427,7 +435,7 @@ class FSDPUnit:
         if self.staging is not None:
             self.staging.end_backward()
         self._ready = 0
-        self.post_backward_done = False
+        self.state = TrainingState.IDLE
 
     def install_grads(self, decoupled: bool) -> None:
         """Expose the main-grad shards on the DTensor params (``.grad`` or ``.decoupled_grad``).

@@ -20,10 +20,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from fsdp_impl.decoupled import DTensor, clear_grads, grad_attr_name, local_tensor, read_grad
+from fsdp_impl.decoupled import clear_grads, grad_attr_name, read_grad
 from fsdp_impl.optim._adam_math import AdamHyper, AdamTensors, adam_foreach_, adam_fused_, adam_single_
+from fsdp_impl.placement import local_tensor
 
 __all__ = ["Adam", "AdamW"]
 

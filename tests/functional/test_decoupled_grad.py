@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 from fsdp_impl import MixedPrecisionPolicy, fully_shard, fully_shard_model, fully_shard_optimizer
 from fsdp_impl.clip_grad import clip_grad_norm
-from fsdp_impl.decoupled import local_tensor, optimizer_reads_decoupled_grad
+from fsdp_impl.decoupled import optimizer_reads_decoupled_grad
 from fsdp_impl.optim import AdamW
+from fsdp_impl.placement import local_tensor
 from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common.decoupled import (

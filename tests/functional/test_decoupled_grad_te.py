@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from fsdp_impl import fully_shard, fully_shard_model, fully_shard_optimizer
 from fsdp_impl.clip_grad import clip_grad_norm
-from fsdp_impl.decoupled import local_tensor
+from fsdp_impl.placement import local_tensor
 from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common.decoupled import (

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_impl import fully_shard, fully_shard_model
-from fsdp_impl.options import WrapOptions
+from fsdp_impl.config import BOOL_SWITCHES
 from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common.models import SmallCNN, build_model, loss_fn, make_batch
@@ -166,7 +166,7 @@ def test_unsupported_switches_name_what_is_missing(kwargs: dict, match: str, dis
             fully_shard_model(build_model("cnn"), **kwargs)
 
 
-@pytest.mark.parametrize("name", [f.name for f in WrapOptions.__dataclass_fields__.values()])
+@pytest.mark.parametrize("name", BOOL_SWITCHES)
 def test_every_switch_must_be_a_bool(name: str, dist_env: Any) -> None:
     with pytest.raises(TypeError, match=rf"{name} must be True or False, got 'yes'"):
         fully_shard_model(build_model("cnn"), **{name: "yes"})

@@ -32,8 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_impl import MixedPrecisionPolicy, clip_grad_norm, fully_shard
-from fsdp_impl.decoupled import local_tensor
 from fsdp_impl.optim import AdamW
+from fsdp_impl.placement import local_tensor
 from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common.collective_counter import CollectiveCounter

@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_impl
-from fsdp_impl.decoupled import local_tensor
 from fsdp_impl.module import FullyShardedModule
+from fsdp_impl.placement import local_tensor
 
 IN, HIDDEN, OUT, LAYERS, LOCAL_BATCH = 12, 32, 3, 3, 4  # OUT=3 rows: uneven shards on 2 ranks
 

@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 import fsdp_impl
 from fsdp_impl import comm
 from fsdp_impl.cuda_graph import capture_train_step
-from fsdp_impl.decoupled import local_tensor
 from fsdp_impl.graph_mode import run_graph_mode_on_cpu
 from fsdp_impl.module import FullyShardedModule
+from fsdp_impl.placement import local_tensor
 from fsdp_impl.unit import attach_unshard_pool
 from fsdp_impl.unshard_storage import PooledStorage, UnshardStorage
 from tests.functional.common.graph_training import (

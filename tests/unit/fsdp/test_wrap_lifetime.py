@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import fsdp_impl
-from fsdp_impl.decoupled import local_tensor, read_grad
+from fsdp_impl.decoupled import read_grad
+from fsdp_impl.placement import local_tensor
 
 pytestmark = pytest.mark.distributed(world_size=1, timeout=120)
 
