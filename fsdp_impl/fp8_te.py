@@ -235,3 +235,18 @@ def _quantize_current(items: list[Any], group: torch.distributed.ProcessGroup) -
                                    rowwise=True, columnwise=False)
             rows = cast.create_tensor_from_data(item.out[0].view(1, -1), w.dtype)  # this rank's bytes
             cast.update_quantized(master.view(1, -1), rows)
+
+
+def reset_te_fp8_state() -> None:
+    """Reset TransformerEngine's process-global FP8 state (a no-op until TE is imported).
+
+    TE registers every delayed-scaling module's amax buffers there and, at each FP8 autocast exit
+    and first-module backward, all-reduces all of them (world size > 1), also those of models
+    built earlier in the process: a later model then pays extra all-reduces and keeps the old
+    buffers alive (TE 2.20.2, ``quantization.py``). Processes that build many TE models one after
+    another (test buckets, benchmarks) call it between them, when no TE model is in use."""
+    module = (sys.modules.get("transformer_engine.pytorch.quantization")
+              or sys.modules.get("transformer_engine.pytorch.fp8"))
+    manager = getattr(module, "FP8GlobalStateManager", None)
+    if manager is not None:
+        manager.reset()

@@ -77,7 +77,7 @@ def test_recompute_is_bit_identical_world2(style: str, zero: str, storage: str, 
 @pytest.mark.parametrize("zero,storage", CASES, ids=CASE_IDS)
 @pytest.mark.matrix(mesh=axes.mesh(4), zero=matrix.param("zero"), recompute=matrix.param("style"))
 def test_recompute_is_bit_identical_world4(style: str, zero: str, storage: str, dist_env: Any) -> None:
-    """4 ranks: ``fc2`` and the norms have 5 rows, so rank 3's shards are empty."""
+    """4 ranks: ``mlp.fc2`` and the norms have 5 rows, so rank 3's shards are empty."""
     _check_parity(style, zero, storage, dist_env)
 
 
@@ -241,4 +241,4 @@ def test_fine_grained_submodule_outside_its_unit_is_a_clear_error(dist_env: Any)
                                         enable_fine_grained_param_gather=True)
     with pytest.raises(RuntimeError, match=r"Linear holds params of FSDP unit 'blocks.1' but ran outside that "
                                            r"unit's forward.*add its class to fsdp_unit_modules"):
-        model.module.blocks[1].fc1(torch.randn(2, 5))
+        model.module.blocks[1].mlp.fc1(torch.randn(2, 5))

@@ -28,6 +28,7 @@ from tests.functional.common.graph_training import (
     wrap,
 )
 from tests.functional.common.recompute import RecomputeBlock, build_net
+from tests.functional.common.te_fp8 import te_recipe
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.distributed(world_size=1, timeout=600)]
 
@@ -143,17 +144,6 @@ class TeRecomputeNet(nn.Module):
         return x
 
 
-def _te_recipe(name: str) -> Any:
-    import transformer_engine.pytorch as te
-    from transformer_engine.common import recipe as r
-    check, make = {"current": (te.is_fp8_available, r.Float8CurrentScaling),
-                   "block": (te.is_fp8_block_scaling_available, r.Float8BlockScaling)}[name]
-    available, reason = check(return_reason=True)
-    if not available:
-        pytest.skip(f"TransformerEngine cannot run {name} here: {reason}")
-    return make()
-
-
 def _te_losses(recipe: Any, recompute: bool, zero: int, keep: bool, device: torch.device) -> list[float]:
     import transformer_engine.pytorch as te
     torch.manual_seed(0)
@@ -192,7 +182,7 @@ def test_recompute_te_fp8_params(recipe: str, zero: int, keep: bool, dist_env: A
     """TE FP8 parameters recomputed inside their unit train bit for bit like no recompute (the
     recompute uses the forward's FP8 bytes and scales; with ``keep_fp8_transpose_cache`` under
     ZeRO-3 the engine gathers the row-wise bytes the backward gather skipped)."""
-    r = _te_recipe(recipe)
+    r = te_recipe(recipe)
     want = _te_losses(r, False, zero, keep, dist_env.device)
     got = _te_losses(r, True, zero, keep, dist_env.device)
     assert got == want, f"losses with recompute {got} != without {want}"

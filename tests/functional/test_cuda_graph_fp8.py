@@ -82,7 +82,7 @@ def _cell(world: int) -> pytest.MarkDecorator:
 
 def _te_recipe(name: str) -> Any:
     pytest.importorskip("transformer_engine", reason="TransformerEngine is not installed")
-    from tests.functional.test_fp8_te import te_recipe
+    from tests.functional.common.te_fp8 import te_recipe
     return te_recipe(name)
 
 
@@ -92,7 +92,7 @@ def _build(case: Fp8GraphCase, device: torch.device) -> tuple[nn.Module, Callabl
         return native.build(case.recipe), contextlib.nullcontext
     import transformer_engine.pytorch as te
 
-    from tests.functional.test_fp8_te import build_te
+    from tests.functional.common.te_fp8 import build_te
     recipe = _te_recipe(case.recipe)
     return build_te(recipe, fp8_params=True), lambda: te.autocast(recipe=recipe)
 
@@ -100,7 +100,7 @@ def _build(case: Fp8GraphCase, device: torch.device) -> tuple[nn.Module, Callabl
 def _units(case: Fp8GraphCase) -> list[type]:
     if case.path == "native":
         return [native.Fp8Block]
-    from tests.functional.test_fp8_te import unit_classes
+    from tests.functional.common.te_fp8 import unit_classes
     return unit_classes()
 
 
@@ -109,7 +109,7 @@ def _batch(case: Fp8GraphCase, step: int, device: torch.device) -> tuple[torch.T
     if case.path == "native":
         x, y = native.batch(step, slot, 0)
         return x.to(device), y.to(device)
-    from tests.functional.test_fp8_te import te_batch
+    from tests.functional.common.te_fp8 import te_batch
     return te_batch(step, slot)
 
 

@@ -32,6 +32,7 @@ from tests.functional.common.decoupled import (
     LR,
     MAX_NORM,
     NORM_RTOL,
+    WORLDS,
     build,
     global_batch,
     local_batch,
@@ -42,10 +43,6 @@ from tests.functional.common.decoupled import (
 )
 
 STRATEGIES = [0, 1, 2, 3]  # no_shard (Replicate grads), optim, optim_grads, optim_grads_params
-WORLDS = [
-    pytest.param(2, marks=pytest.mark.distributed(world_size=2), id="ws2"),
-    pytest.param(4, marks=pytest.mark.distributed(world_size=4), id="ws4"),
-]
 # bf16 main grads: every gradient element is rounded to 8 significant bits (2^-9 relative) and
 # reduced in bf16. Measured: norms within 1.1e-3, losses within 7.2e-5 relative of the fp32 run.
 BF16_NORM_RTOL = 1e-2

@@ -26,6 +26,7 @@ from tests.functional.common.decoupled import (
     LR,
     MAX_NORM,
     NORM_RTOL,
+    WORLDS,
     build,
     global_batch,
     local_batch,
@@ -33,7 +34,6 @@ from tests.functional.common.decoupled import (
     train_clipped,
     train_clipped_reference,
 )
-from tests.functional.test_decoupled_grad import WORLDS
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine"),
               pytest.mark.matrix(mesh=matrix.param("world", axes.mesh), zero="optim_grads_params",

@@ -23,55 +23,20 @@ from fsdp_impl import fully_shard, fully_shard_model
 from fsdp_impl.config import BOOL_SWITCHES
 from harness import matrix
 from tests.functional import matrix_axes as axes
-from tests.functional.common.models import SmallCNN, build_model, loss_fn, make_batch
+from tests.functional.common.cnn_grads import UNITS, assert_close, fsdp_grads, local_batch, reference_grads
+from tests.functional.common.models import SmallCNN, build_model, loss_fn
 
 pytestmark = [pytest.mark.distributed(world_size=2, timeout=300),
               pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params", model="cnn", dtype="fp32")]
-
-UNITS = [nn.Conv2d, nn.Linear]
-RTOL = 1e-5
-LOCAL_BATCH = 3
-
-
-def _local_batch(dist_env: Any, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
-    (x,), y = make_batch("cnn", LOCAL_BATCH * dist_env.world_size, seed)
-    r = dist_env.rank * LOCAL_BATCH
-    return x[r:r + LOCAL_BATCH].to(dist_env.device), y[r:r + LOCAL_BATCH].to(dist_env.device)
-
-
-def _reference_grads(world: int, reduction: str, seed: int = 5) -> dict[str, torch.Tensor]:
-    """Grads of ``mean`` (or ``sum``) over ranks of each rank's loss, on one process."""
-    model = build_model("cnn")
-    (x,), y = make_batch("cnn", LOCAL_BATCH * world, seed)
-    losses = [loss_fn("cnn")(model(x[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]), y[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH])
-              for r in range(world)]
-    total = torch.stack(losses).sum()
-    (total if reduction == "sum" else total / world).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def _fsdp_grads(dist_env: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
-    model = build_model("cnn")
-    fsdp, _ = fully_shard(model, torch.optim.SGD(model.parameters(), lr=0.1), fsdp_unit_modules=UNITS, **kwargs)
-    x, y = _local_batch(dist_env)
-    loss_fn("cnn")(fsdp(x), y).backward()
-    return {n: p.grad.full_tensor().cpu() for n, p in fsdp.module.named_parameters()}
-
-
-def _assert_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], what: str) -> None:
-    for name, e in expected.items():
-        err = ((actual[name] - e).norm() / e.norm().clamp_min(1e-12)).item()
-        assert err <= RTOL, f"{what}: {name} relative error {err:.3g}"
-
 
 @pytest.mark.matrix(zero=matrix.param("strategy", axes.zero))
 @pytest.mark.parametrize("strategy", [0, 1, 2, 3])
 @pytest.mark.parametrize("mode", ["default", "average_in_collective", "calculate_per_token_loss"])
 def test_grad_reduction_modes_match_a_reference(mode: str, strategy: int, dist_env: Any) -> None:
     kwargs = {} if mode == "default" else {mode: True}
-    grads = _fsdp_grads(dist_env, zero_dp_strategy=strategy, **kwargs)
+    grads = fsdp_grads(dist_env, zero_dp_strategy=strategy, **kwargs)
     reduction = "sum" if mode == "calculate_per_token_loss" else "mean"
-    _assert_close(grads, _reference_grads(dist_env.world_size, reduction), f"{mode}, ZeRO-{strategy}")
+    assert_close(grads, reference_grads(dist_env.world_size, reduction), f"{mode}, ZeRO-{strategy}")
 
 
 def _losses(dist_env: Any, steps: int = 3, model: nn.Module | None = None, before: Any = None,
@@ -83,7 +48,7 @@ def _losses(dist_env: Any, steps: int = 3, model: nn.Module | None = None, befor
         before(fsdp)
     losses = []
     for step in range(steps):
-        x, y = _local_batch(dist_env, seed=step)
+        x, y = local_batch(dist_env, seed=step)
         loss = loss_fn("cnn")(fsdp(x), y)
         loss.backward()
         opt.step()
@@ -231,7 +196,7 @@ def test_plain_dcp_resume_into_a_fresh_optimizer(preproc: bool, dist_env: Any, s
                            preproc_state_dict_for_dcp_ckpt=preproc)
 
     model, opt = wrap(0)
-    x, y = _local_batch(dist_env)
+    x, y = local_batch(dist_env)
     loss_fn("cnn")(model(x), y).backward()
     opt.step()
     opt.zero_grad()

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp_impl import checkpoint, fully_shard, fully_shard_model
 from harness import matrix
 from tests.functional import matrix_axes as axes
-from tests.functional.test_dropin_args import _assert_close, _fsdp_grads, _reference_grads
+from tests.functional.common.cnn_grads import assert_close, fsdp_grads, reference_grads
 
 pytestmark = [pytest.mark.distributed(world_size=4, timeout=300),
               pytest.mark.matrix(mesh=axes.mesh(4), zero="optim_grads_params", model="tiny_moe", dtype="fp32")]
@@ -199,7 +199,7 @@ def test_moe_with_expert_parallelism_matches_one_process(case: dict, dist_env: A
         if step == 0:  # the first synced grads, before any update
             grads = {n: p.grad.full_tensor().cpu() for n, p in model.module.named_parameters()}
             ref_grads = _reference_grads_moe(reference, dist_env.world_size)
-            _assert_close(grads, {n: ref_grads[_reference_name(n, ep_rank)] for n in grads}, "grads")
+            assert_close(grads, {n: ref_grads[_reference_name(n, ep_rank)] for n in grads}, "grads")
             ref_opt.step()
             ref_opt.zero_grad()
         else:
@@ -207,7 +207,7 @@ def test_moe_with_expert_parallelism_matches_one_process(case: dict, dist_env: A
         opt.step()
         opt.zero_grad()
     params = {n: p.full_tensor().cpu() for n, p in model.module.named_parameters()}
-    _assert_close(params, {n: ref_params[_reference_name(n, ep_rank)].detach() for n in params}, "params")
+    assert_close(params, {n: ref_params[_reference_name(n, ep_rank)].detach() for n in params}, "params")
 
 
 def _reference_grads_moe(reference: TinyMoE, world: int) -> dict[str, torch.Tensor]:
@@ -259,7 +259,7 @@ def test_grad_reduction_modes_under_hsdp(mode: str, outer: int, dist_env: Any) -
     mesh = init_device_mesh(dist_env.device.type, (2, 2), mesh_dim_names=("dp_outer", "dp_shard"))
     hybrid = mesh[("dp_outer", "dp_shard")]._flatten("hsdp").get_group()
     kwargs = {} if mode == "default" else {mode: True}
-    grads = _fsdp_grads(dist_env, device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
+    grads = fsdp_grads(dist_env, device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
                         hybrid_fsdp_group=hybrid, outer_dp_sharding_strategy=outer, **kwargs)
     reduction = "sum" if mode == "calculate_per_token_loss" else "mean"
-    _assert_close(grads, _reference_grads(dist_env.world_size, reduction), f"{mode}, outer {outer}")
+    assert_close(grads, reference_grads(dist_env.world_size, reduction), f"{mode}, outer {outer}")

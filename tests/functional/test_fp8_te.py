@@ -33,16 +33,21 @@ import torch.nn.functional as F
 
 from fsdp_impl import MixedPrecisionPolicy, clip_grad_norm, fully_shard
 from fsdp_impl.optim import AdamW
-from fsdp_impl.placement import local_tensor
 from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common.collective_counter import CollectiveCounter
 from tests.functional.common.mesh import data_position, seed_kwargs, seed_mesh
+from tests.functional.common.te_fp8 import (
+    assert_grads_on_owned_shards,
+    build_te,
+    te_batch,
+    te_recipe,
+    unit_classes,
+)
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine"),
               pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params", model="te_net", dtype="bf16")]
 
-HIDDEN, FFN, TOKENS = 128, 256, (4, 32)  # FP8 GEMMs want dims and token counts in multiples of 16
 STEPS = 4
 FP8_GATHER_RATIO = 0.55
 # FP8 parameters carry the same weight bytes TE makes from the bf16 weight (sharded
@@ -57,58 +62,6 @@ W1 = pytest.mark.distributed(world_size=1, timeout=300)
 W2 = pytest.mark.distributed(world_size=2, timeout=300)
 MESHES = {"w1": (W1, None, None), "fsdp2": (W2, (1, 2, 1, 1), None), "hsdp2": (W2, (2, 1, 1, 1), "no_shard"),
           "hfsdp2": (W2, (2, 1, 1, 1), "optim")}
-
-
-def te_recipe(name: str) -> Any:
-    """The TE recipe, or skip with TE's own reason when this GPU cannot run it."""
-    import transformer_engine.pytorch as te
-    from transformer_engine.common import recipe as r
-    check, make = {
-        "delayed": (te.is_fp8_available, r.DelayedScaling),
-        "current": (te.is_fp8_available, r.Float8CurrentScaling),
-        "block": (te.is_fp8_block_scaling_available, r.Float8BlockScaling),
-        "mxfp8": (te.is_mxfp8_available, lambda: r.MXFP8BlockScaling(fp8_format=r.Format.HYBRID)),
-        "nvfp4": (te.is_nvfp4_available, r.NVFP4BlockScaling),
-    }[name]
-    available, reason = check(return_reason=True)
-    if not available:
-        pytest.skip(f"TransformerEngine cannot run {name} here: {reason}")
-    return make()
-
-
-class TeNet(nn.Module):
-    def __init__(self, device: str) -> None:
-        super().__init__()
-        import transformer_engine.pytorch as te
-        self.blocks = nn.ModuleList([te.LayerNormMLP(HIDDEN, FFN, params_dtype=torch.bfloat16, device=device)
-                                     for _ in range(2)])
-        self.head = te.Linear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
-
-
-def build_te(recipe: Any, fp8_params: bool, meta: bool = False, seed: int = 0) -> nn.Module:
-    import transformer_engine.pytorch as te
-    torch.manual_seed(seed)
-    torch.cuda.manual_seed(seed)
-    init = (te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True) if fp8_params
-            else contextlib.nullcontext())
-    with init:
-        return TeNet("meta" if meta else "cuda")
-
-
-def te_batch(step: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + slot)
-    x = torch.randn(*TOKENS, HIDDEN, generator=gen)
-    return x.to("cuda", torch.bfloat16), torch.randn(*TOKENS, HIDDEN, generator=gen).cuda()
-
-
-def unit_classes() -> list[type]:
-    import transformer_engine.pytorch as te
-    return [te.LayerNormMLP]
 
 
 def wrap_te(module: nn.Module, optimizer: Any = None, **kwargs: Any) -> tuple[nn.Module, Any]:
@@ -161,15 +114,6 @@ def mesh_kwargs(name: str) -> tuple[dict, int, tuple[int, ...], tuple[int, ...] 
     shard = tuple(sorted(dist.get_process_group_ranks(mesh[sharded_over].get_group())))
     outer_ranks = tuple(sorted(dist.get_process_group_ranks(mesh["dp_outer"].get_group()))) if outer else None
     return seed_kwargs(mesh, outer), data_position(group)[0], shard, outer_ranks
-
-
-def assert_grads_on_owned_shards(model: nn.Module, attr: str = "grad") -> None:
-    for name, p in model.module.named_parameters():
-        grad = getattr(p, attr)
-        assert grad is not None, f"{name}: no {attr} after the sync backward"
-        local = local_tensor(grad)
-        if local.numel():
-            assert local.count_nonzero() > 0, f"{name}: all-zero {attr} on rank {dist.get_rank()}"
 
 
 def _cases() -> list:

@@ -33,7 +33,7 @@ from fsdp_impl import MixedPrecisionPolicy, fully_shard, fully_shard_model, full
 from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common.mesh import seed_mesh
-from tests.functional.test_fp8_te import assert_grads_on_owned_shards, te_recipe
+from tests.functional.common.te_fp8 import assert_grads_on_owned_shards, te_recipe
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine"),
               pytest.mark.matrix(mesh=matrix.param("mesh_shape", axes.mesh_shape), model="te_transformer")]

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from fsdp_impl import fully_shard
 from tests.functional import matrix_axes as axes
+from tests.functional.common.models import ResidualMLP
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.matrix(zero="optim_grads_params", dtype="bf16", model="mlp")]
 
@@ -40,14 +41,9 @@ SLACK = MIB  # caching-allocator rounding (512 bytes per block) over a few hundr
 ACTIVATIONS = 16 * MIB  # saved activations and GELU temporaries: BATCH x 4*HIDDEN bf16 per layer is 128 KiB
 
 
-class Block(nn.Module):
+class Block(ResidualMLP):
     def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(HIDDEN, 4 * HIDDEN)
-        self.down = nn.Linear(4 * HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+        super().__init__(HIDDEN, 4 * HIDDEN)
 
 
 def _shard_numel(model: nn.Module, n: int) -> int:

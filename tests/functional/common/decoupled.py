@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -32,6 +33,11 @@ SAMPLES_PER_RANK = 4
 # to fp32 rounding. Measured on CPU/gloo: norms and losses within 1.1e-7 relative; the
 # tolerances leave room for other reduction orders (NCCL) while a no-op or wrong step (losses off
 # by > 1e-2) still fails by orders of magnitude.
+# The world sizes the decoupled-grad suites run on (one bucket each).
+WORLDS = [
+    pytest.param(2, marks=pytest.mark.distributed(world_size=2), id="ws2"),
+    pytest.param(4, marks=pytest.mark.distributed(world_size=4), id="ws4"),
+]
 NORM_RTOL = 1e-5
 LOSS_RTOL = 1e-4
 

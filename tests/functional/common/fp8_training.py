@@ -20,11 +20,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import fsdp_impl
 from fsdp_impl.fp8 import BlockwiseScaling, CurrentScaling, DelayedScaling, Recipe, convert_to_fp8
 from fsdp_impl.fp8.state import advance_all, delayed_quantizers, pack_pending, set_deferred
+from tests.functional.common.models import ResidualMLP
 from tests.functional.common.training import train_accumulating
 
 D, HIDDEN = 32, 48
@@ -37,24 +37,12 @@ RECIPES: dict[str, Callable[[], Recipe]] = {
 }
 
 
-class Fp8Block(nn.Module):
+class Fp8Block(ResidualMLP):
     """Pre-norm MLP block with a residual (an FSDP unit): LayerNorm and biases stay bf16.
     ``recompute=True`` runs the MLP under a non-reentrant ``torch.utils.checkpoint``."""
 
     def __init__(self, dtype: torch.dtype, recompute: bool = False) -> None:
-        super().__init__()
-        self.recompute = recompute
-        self.norm = nn.LayerNorm(D, dtype=dtype)
-        self.fc1 = nn.Linear(D, HIDDEN, dtype=dtype)
-        self.fc2 = nn.Linear(HIDDEN, D, dtype=dtype)
-
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute:
-            return x + checkpoint(self._mlp, x, use_reentrant=False)
-        return x + self._mlp(x)
+        super().__init__(D, HIDDEN, norm=True, dtype=dtype, recompute="inside" if recompute else None)
 
 
 class Fp8Net(nn.Module):

@@ -21,7 +21,7 @@ from fsdp_impl import fully_shard
 
 from .collective_counter import CollectiveCounter, group_ranks
 from .mesh import assert_same_on_all_ranks, data_position, full_params, seed_kwargs, seed_mesh
-from .models import build_model, loss_fn, unit_classes
+from .models import ResidualMLP, build_model, loss_fn, unit_classes
 from .numerics import assert_losses_close, max_relative_error
 from .reference import global_batch, make_optimizer
 from .training import Microbatch, train_accumulating
@@ -175,15 +175,11 @@ def check_hfsdp(name: str, device: torch.device, shape: Shape) -> None:
 SAMPLES_PER_DP, SEQ, D = 2, 4, 4
 
 
-class TokenBlock(nn.Module):
+class TokenBlock(ResidualMLP):
     """Residual per-token MLP: position i's output depends only on position i."""
 
     def __init__(self, d: int = D, hidden: int = 8) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(d, hidden), nn.Linear(hidden, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
+        super().__init__(d, hidden, act="tanh")
 
 
 class TokenModel(nn.Module):

@@ -9,16 +9,59 @@ so averaging per-rank grads equals the full-batch grad.
 
 ``ToyCNN`` and ``ToyTransformer`` are the toy models of Megatron-FSDP's ``fully_shard`` test (the
 "seed" test; ``build_toy``), used by the suites that port that test call for call.
+``ResidualMLP`` is the one residual MLP block the suites build their unit classes from.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": F.gelu, "tanh": torch.tanh}
+RECOMPUTE = (None, "inside", "inside_reentrant", "selective")  # how ResidualMLP recomputes its MLP
+
+
+def _save_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    """Selective recompute's policy: keep matmul outputs, recompute the cheap rest."""
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class ResidualMLP(nn.Module):
+    """``x + fc2(act(fc1(norm(x))))`` (``norm``: a LayerNorm first, else none).
+
+    ``recompute`` runs the MLP under ``torch.utils.checkpoint`` in the backward: ``"inside"``
+    (non-reentrant), ``"inside_reentrant"``, ``"selective"`` (non-reentrant, matmul outputs saved by
+    ``create_selective_checkpoint_contexts``); ``None``: no recompute."""
+
+    def __init__(self, d: int, hidden: int, act: str = "gelu", norm: bool = False,
+                 dtype: torch.dtype | None = None, recompute: str | None = None) -> None:
+        super().__init__()
+        if act not in ACTIVATIONS or recompute not in RECOMPUTE:
+            raise ValueError(f"act {act!r} (allowed {sorted(ACTIVATIONS)}), recompute {recompute!r} "
+                             f"(allowed {RECOMPUTE})")
+        self.act, self.recompute = ACTIVATIONS[act], recompute
+        self.norm = nn.LayerNorm(d, dtype=dtype) if norm else None
+        self.fc1 = nn.Linear(d, hidden, dtype=dtype)
+        self.fc2 = nn.Linear(hidden, d, dtype=dtype)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(self.norm(x) if self.norm is not None else x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute is None:
+            return x + self._mlp(x)
+        if self.recompute == "selective":
+            context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+            return x + checkpoint(self._mlp, x, use_reentrant=False, context_fn=context)
+        return x + checkpoint(self._mlp, x, use_reentrant=self.recompute == "inside_reentrant")
 
 
 class SmallCNN(nn.Module):

@@ -16,14 +16,13 @@ Styles (``STYLES``):
 - ``region``: one non-reentrant checkpoint around ``region`` (default 2) consecutive blocks (a
   region holding several units; nested units).
 
-Dims give uneven shards and, at 4 ranks, empty ones: ``fc2`` has 5 rows (2, 2, 1, 0 per rank)
-and ``fc1`` 7 (2, 2, 2, 1).
+Dims give uneven shards and, at 4 ranks, empty ones: ``mlp.fc2`` has 5 rows (2, 2, 1, 0 per rank)
+and ``mlp.fc1`` 7 (2, 2, 2, 1).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,47 +34,30 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
+
+from .models import ResidualMLP
 
 STYLES = ("none", "inside", "inside_reentrant", "selective", "wrapper", "wrapper_reentrant",
           "wrapper_after", "region")
-INSIDE = {"inside": False, "inside_reentrant": True, "selective": False}  # style -> use_reentrant
+INSIDE = ("inside", "inside_reentrant", "selective")  # styles that recompute inside the unit
 WRAPPER_NAME = "_checkpoint_wrapped_module."
 D, HIDDEN, D_IN, D_OUT = 5, 7, 3, 2
 
 
-def _save_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    """Selective recompute's policy: keep matmul outputs, recompute the cheap rest."""
-    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
 class RecomputeBlock(nn.Module):
-    """``x + proj(norm0(x))`` then ``h + mlp(h)``, the MLP recomputed as ``style`` says."""
+    """``h = x + proj(norm0(x))`` then the ``ResidualMLP`` ``h + fc2(gelu(fc1(norm(h))))``, whose
+    MLP recomputes as ``style`` says (the ``inside*``/``selective`` styles)."""
 
     def __init__(self, style: str = "none", dtype: torch.dtype = torch.float32, d: int = D,
                  hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.style = style
         self.norm0 = nn.LayerNorm(d, dtype=dtype)
         self.proj = nn.Linear(d, d, bias=False, dtype=dtype)
-        self.norm = nn.LayerNorm(d, dtype=dtype)
-        self.fc1 = nn.Linear(d, hidden, dtype=dtype)
-        self.fc2 = nn.Linear(hidden, d, dtype=dtype)
-
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(self.norm(h))))
+        self.mlp = ResidualMLP(d, hidden, norm=True, dtype=dtype, recompute=style if style in INSIDE else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.proj(self.norm0(x))
-        if self.style not in INSIDE:
-            return h + self._mlp(h)
-        context_fn: Callable | None = None
-        if self.style == "selective":
-            context_fn = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
-            return h + checkpoint(self._mlp, h, use_reentrant=False, context_fn=context_fn)
-        return h + checkpoint(self._mlp, h, use_reentrant=INSIDE[self.style])
+        return self.mlp(x + self.proj(self.norm0(x)))
 
 
 class RecomputeNet(nn.Module):

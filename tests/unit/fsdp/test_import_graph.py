@@ -1,5 +1,6 @@
-"""Import-graph checks: no import cycle inside ``fsdp_impl`` or ``harness``, and ``harness``
-imports nothing from ``fsdp_impl`` (it is a generic pytest plugin).
+"""Import-graph checks: no import cycle inside ``fsdp_impl`` or ``harness``, ``harness``
+imports nothing from ``fsdp_impl`` (it is a generic pytest plugin), no test module imports
+another test module, and the functional suites do not import ``bench``.
 
 The graph is built statically with ``ast`` from every ``import`` statement of every module,
 including imports inside functions (a local import is still a cycle that only shows up when the
@@ -157,3 +158,42 @@ def test_import_fsdp_impl_exposes_optim() -> None:
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "fsdp_impl.optim.adam"
+
+
+def test_tests_import_no_test_module_and_functional_suites_no_bench() -> None:
+    """Test modules never import another test module (shared helpers live in ``common/``
+    packages, CONTRIBUTING.md), and the functional suites and the mutation catalogue never import
+    the benchmarks (``bench`` measures the engine; tests must not depend on it)."""
+    graph = import_graph(("tests", "bench"))
+    assert any(m.startswith("tests.functional.test_") for m in graph), sorted(graph)[:5]
+    assert not import_rule_violations(graph)
+
+
+def import_rule_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``importer -> imported`` for every edge that breaks the rules of the test above."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        if module.split(".")[0] != "tests":
+            continue
+        for target in sorted(targets):
+            if target.split(".")[0] == "tests" and target.rsplit(".", 1)[-1].startswith("test_"):
+                bad.append(f"{module} -> {target} (a test module)")
+            elif target.split(".")[0] == "bench" and module.startswith(("tests.functional", "tests.mutants")):
+                bad.append(f"{module} -> {target} (the benchmarks)")
+    return bad
+
+
+def test_import_rules_catch_test_and_bench_imports(tmp_path: Path) -> None:
+    """The rule checker itself: it reports a test module importing another one and a functional
+    suite importing bench, and accepts imports of a common helper."""
+    for pkg in ("tests", "tests/functional", "tests/functional/common", "bench"):
+        (tmp_path / pkg).mkdir(parents=True, exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "bench" / "runtime.py").write_text("")
+    (tmp_path / "tests/functional/common/helpers.py").write_text("")
+    (tmp_path / "tests/functional/test_a.py").write_text("from tests.functional.common import helpers\n")
+    (tmp_path / "tests/functional/test_b.py").write_text(
+        "from tests.functional.test_a import x\ndef f():\n    from bench.runtime import y\n")
+    assert import_rule_violations(import_graph(("tests", "bench"), tmp_path)) == [
+        "tests.functional.test_b -> bench.runtime (the benchmarks)",
+        "tests.functional.test_b -> tests.functional.test_a (a test module)"]
