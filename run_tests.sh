@@ -47,7 +47,7 @@ fi
 # The whole suite, split so that the CPU L0 tier (tests/unit, the l0 cells and the known-bug
 # regression tests, without tests marked slow, with its sign-off in $OUT/signoff/) runs exactly as
 # launch_scripts/cpu runs it, followed by everything L0 leaves out: the slow unit tests and
-# the functional tests that are not "(l0 or regression) and not slow".
+# the functional tests that are not "(l0 or regression or golden) and not slow".
 rc=0
 # Lint and types first (seconds); a finding fails the run, but the tests still run and report.
 echo "[run_tests] ruff check . && mypy"
@@ -68,5 +68,5 @@ rest() {
     return 0
 }
 rest unit-slow tests/unit "slow"
-rest functional tests/functional "not (l0 or regression) or slow"
+rest functional tests/functional "not (l0 or regression or golden) or slow"
 exit "$rc"

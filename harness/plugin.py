@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from harness import backend as backend_mod
-from harness import matrix, mutant, protocol, rerun, sidecar, spec
+from harness import golden, matrix, mutant, protocol, rerun, sidecar, spec
 from harness.context import RANK_STATE_KEY, DistEnv, RankState
 
 MARKERS = (
@@ -50,7 +50,8 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
 
 def _register_parts(pluginmanager: pytest.PytestPluginManager) -> None:
     """The harness's own plugin modules with options, ini values or collection hooks."""
-    for name, module in (("fsdp_harness_matrix", matrix), ("fsdp_harness_rerun", rerun)):
+    for name, module in (("fsdp_harness_matrix", matrix), ("fsdp_harness_rerun", rerun),
+                         ("fsdp_harness_golden", golden)):
         if not pluginmanager.has_plugin(name):
             pluginmanager.register(module, name)
 

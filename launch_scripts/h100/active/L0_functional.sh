@@ -2,10 +2,10 @@
 # GPU_COUNT=8
 # CI_TIMEOUT=30
 # Tier L0 (every change): a few cells of every functional suite (the l0 mark, tests/functional/conftest.py)
-# and the known-bug regression tests, none marked slow.
+# the known-bug regression tests and the golden cells (tests/golden/<gen>/), none marked slow.
 # Generation h100: 8 GPUs; xdist workers: 4.
 set -euo pipefail
 # shellcheck source=../../common.sh source-path=SCRIPTDIR
 source "$(dirname "${BASH_SOURCE[0]}")/../../common.sh"
 harness_init h100 4
-harness_run_pytest tests/functional -m "l0 or regression"
+harness_run_pytest tests/functional -m "l0 or regression or golden"

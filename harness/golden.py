@@ -1,0 +1,246 @@
+"""Golden values: short fixed-seed runs compared with reviewed per-platform files.
+
+A test (marked ``golden``) records per-step series (a loss curve, a grad norm, a parameter
+checksum) and calls ``golden.check(cell, series, tolerance)``. The file
+``<golden dir>/<platform>/<cell>.json`` holds the reviewed series, the tolerance and the versions
+they were made with. Without ``--golden-update`` the run is compared with it: every step of
+every series must be within ``tolerance`` (relative; 0 = bit for bit), else the test fails naming
+the first drifting step; a missing file fails naming the command that makes it. With
+``--golden-update`` the file is rewritten (by rank 0 of a distributed test) and the change
+against the old file is printed for review. Either way the comparison goes into the JUnit
+property ``golden`` (JSON; ``report.golden_section`` renders it), so the sign-off shows the curves.
+
+Options reach spawned rank processes through the environment (``ENV_*``): the controller sets
+them in ``pytest_configure``, and the ranks, which run their own pytest session without the
+controller's command line, read them there.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+GOLDEN_PROPERTY = "golden"  # JUnit property: one cell's comparison as JSON (GoldenResult.as_json)
+MARKER = "golden: a golden cell: a fixed-seed run compared with the reviewed per-platform file (harness.golden)"
+ENV_UPDATE = "HARNESS_GOLDEN_UPDATE"
+ENV_DIR = "HARNESS_GOLDEN_DIR"
+ENV_PLATFORM = "HARNESS_GOLDEN_PLATFORM"
+DEFAULT_DIR = "tests/golden"
+FORMAT = 1
+TINY = 1e-30  # denominators of relative drift (a golden value of exactly 0)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fsdp_harness_golden", "golden values (harness.golden)")
+    group.addoption("--golden-update", action="store_true", default=False,
+                    help="rewrite the golden files of the selected golden cells and print each change for review")
+    group.addoption("--golden-dir", default=None,
+                    help=f"directory of the golden files, relative to the rootdir (default {DEFAULT_DIR}; "
+                         f"env {ENV_DIR})")
+    group.addoption("--golden-platform", default=None,
+                    help="platform whose files to use: cpu, or the GPU's generation (h100, h200, b200, gb200); "
+                         f"default: detected (env {ENV_PLATFORM})")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", MARKER)
+    if config.getoption("golden_update", False):
+        os.environ[ENV_UPDATE] = "1"
+    golden_dir = config.getoption("golden_dir", None)
+    if golden_dir:
+        os.environ[ENV_DIR] = str((config.rootpath / golden_dir).resolve())
+    elif ENV_DIR not in os.environ:
+        os.environ[ENV_DIR] = str(config.rootpath / DEFAULT_DIR)
+    platform = config.getoption("golden_platform", None)
+    if platform:
+        os.environ[ENV_PLATFORM] = platform
+
+
+def detect_platform() -> str:
+    """``cpu`` without a visible GPU (or with the CPU backend forced), else the GPU's generation
+    from its name ("NVIDIA H200" -> ``h200``, "NVIDIA GB200" -> ``gb200``)."""
+    if os.environ.get(ENV_PLATFORM):
+        return os.environ[ENV_PLATFORM]
+    import torch
+
+    if os.environ.get("HARNESS_FORCE_CPU") == "1" or not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).lower()
+    for gen in ("gb200", "b200", "h200", "h100", "a100"):
+        if gen in name:
+            return gen
+    return name.replace("nvidia", "").strip().replace(" ", "_") or "gpu"
+
+
+def versions() -> dict[str, str]:
+    """What the numbers depend on: torch, CUDA, NCCL, TransformerEngine (if imported) and the
+    checkout's git revision."""
+    import sys
+
+    import torch
+
+    out = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
+    if torch.cuda.is_available():
+        nccl = torch.cuda.nccl.version()
+        out["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    te = sys.modules.get("transformer_engine")
+    if te is not None:
+        out["transformer_engine"] = str(getattr(te, "__version__", "?"))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        out["git"] = rev.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        out["git"] = "unknown"
+    return out
+
+
+@dataclass
+class SeriesDrift:
+    """One series of one cell against its golden values."""
+
+    run: list[float]
+    golden: list[float] | None
+    tolerance: float
+    max_rel_drift: float = 0.0
+    first_drift_step: int | None = None
+
+    def compare(self) -> None:
+        if self.golden is None or len(self.golden) != len(self.run):
+            self.max_rel_drift, self.first_drift_step = math.inf, 0
+            return
+        for step, (got, want) in enumerate(zip(self.run, self.golden, strict=True)):
+            drift = 0.0 if got == want else abs(got - want) / max(abs(want), TINY)
+            if math.isnan(got) != math.isnan(want) or (not math.isnan(got) and drift > self.tolerance):
+                if self.first_drift_step is None:
+                    self.first_drift_step = step
+            if not math.isnan(drift):
+                self.max_rel_drift = max(self.max_rel_drift, drift)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"run": self.run, "golden": self.golden, "tolerance": self.tolerance,
+                "max_rel_drift": self.max_rel_drift if math.isfinite(self.max_rel_drift) else None,
+                "first_drift_step": self.first_drift_step}
+
+
+@dataclass
+class GoldenResult:
+    cell: str
+    platform: str
+    path: str
+    status: str  # "match", "drift", "missing", "updated"
+    series: dict[str, SeriesDrift] = field(default_factory=dict)
+
+    def as_json(self) -> str:
+        return json.dumps({"cell": self.cell, "platform": self.platform, "path": self.path, "status": self.status,
+                           "series": {k: v.as_dict() for k, v in self.series.items()}})
+
+
+def _tolerances(series: dict[str, list[float]], tolerance: float | dict[str, float]) -> dict[str, float]:
+    if isinstance(tolerance, dict):
+        missing = sorted(set(series) - set(tolerance))
+        if missing:
+            raise ValueError(f"golden.check: no tolerance for series {missing}")
+        return {k: float(tolerance[k]) for k in series}
+    return dict.fromkeys(series, float(tolerance))
+
+
+class Golden:
+    """The ``golden`` fixture: ``check(cell, series, tolerance=0.0)``."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self._request = request
+        self.platform = detect_platform()
+        self.directory = pathlib.Path(os.environ.get(ENV_DIR, DEFAULT_DIR))
+        self.update = os.environ.get(ENV_UPDATE) == "1"
+
+    def path(self, cell: str) -> pathlib.Path:
+        return self.directory / self.platform / f"{cell}.json"
+
+    def check(self, cell: str, series: dict[str, list[float]], tolerance: float | dict[str, float] = 0.0,
+              note: str = "") -> GoldenResult:
+        """Compare ``series`` with the golden file of ``cell`` (or rewrite it under
+        ``--golden-update``); record the comparison; fail on drift or a missing file.
+        ``tolerance`` (relative, per series or one for all) is written into the file on update,
+        and its reason into ``note``: a reviewer sees both next to the numbers."""
+        tolerances = _tolerances(series, tolerance)
+        path = self.path(cell)
+        stored = json.loads(path.read_text()) if path.exists() else None
+        result = GoldenResult(cell, self.platform, str(path), "match")
+        for name, values in series.items():
+            old = None if stored is None else stored["series"].get(name)
+            drift = SeriesDrift([float(v) for v in values], old, tolerances[name])
+            drift.compare()
+            result.series[name] = drift
+        if self.update:
+            result.status = "updated"
+            if _is_writer():
+                _write(path, cell, self.platform, series, tolerances, note)
+                print(_change_summary(result, stored is None))
+        elif stored is None:
+            result.status = "missing"
+        elif any(d.first_drift_step is not None for d in result.series.values()):
+            result.status = "drift"
+        self._request.node.user_properties.append((GOLDEN_PROPERTY, result.as_json()))
+        if result.status == "missing":
+            pytest.fail(f"golden cell {cell!r} has no golden file for platform {self.platform!r} ({path}); make it "
+                        f"with `python -m pytest -m golden --golden-update {self._request.node.nodeid}` (or the "
+                        "whole golden tier), review the printed values and commit the file", pytrace=False)
+        if result.status == "drift":
+            pytest.fail(_drift_message(result), pytrace=False)
+        return result
+
+
+def _is_writer() -> bool:
+    """Rank 0 of a distributed test, or a plain test."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _write(path: pathlib.Path, cell: str, platform: str, series: dict[str, list[float]],
+           tolerances: dict[str, float], note: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"format": FORMAT, "cell": cell, "platform": platform, "versions": versions(), "note": note,
+            "tolerance": tolerances, "series": {k: [float(v) for v in vs] for k, vs in series.items()}}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(body, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _change_summary(result: GoldenResult, new: bool) -> str:
+    if new:
+        return f"[golden] {result.cell} ({result.platform}): new file {result.path}"
+    lines = [f"[golden] {result.cell} ({result.platform}): rewrote {result.path}"]
+    for name, d in result.series.items():
+        if d.first_drift_step is None and d.max_rel_drift == 0.0:
+            lines.append(f"  {name}: unchanged")
+        else:
+            lines.append(f"  {name}: max relative change {d.max_rel_drift:.3g}, first at step {d.first_drift_step}")
+    return "\n".join(lines)
+
+
+def _drift_message(result: GoldenResult) -> str:
+    parts = []
+    for name, d in result.series.items():
+        if d.first_drift_step is None:
+            continue
+        step = d.first_drift_step
+        got = d.run[step] if step < len(d.run) else None
+        want = d.golden[step] if d.golden is not None and step < len(d.golden) else None
+        parts.append(f"{name}: first drift at step {step} (run {got!r}, golden {want!r}), max relative drift "
+                     f"{d.max_rel_drift:.3g} > tolerance {d.tolerance:g}")
+    return (f"golden cell {result.cell!r} drifted from {result.path} ({result.platform}): " + "; ".join(parts)
+            + ". If the change is intended, rerun with --golden-update and explain the diff in the commit")
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest) -> Golden:
+    """Compare a run's per-step series with the reviewed golden file (``Golden.check``)."""
+    return Golden(request)

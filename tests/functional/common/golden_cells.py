@@ -1,0 +1,187 @@
+"""The golden cells: short fixed-seed training runs whose per-step numbers are kept as reviewed
+per-platform files (``tests/golden/<platform>/<cell>.json``, ``harness.golden``).
+
+Each cell trains ``STEPS`` steps and records per step: the loss (mean over the data-parallel
+ranks), the global grad norm (``fsdp_impl.clip_grad_norm`` at ``CLIP``, which also clips), and a
+checksum of the parameters (the global sum of squares of every full parameter, in float64). Every
+rank computes the same numbers (they are reduced), so the comparison is the same on every rank.
+Runs use one intra-op thread, so a CPU result does not depend on the machine's core count.
+
+Together the cells cover the matrix axes: ZeRO 0-3, HSDP and HFSDP, CP and TP meshes, bf16
+compute with fp32 main params, decoupled grads with the precision-aware AdamW (bf16 moments),
+activation recompute, and the torch-native FP8 recipes (``GPU_CELLS`` add TransformerEngine
+recipes on GPUs; ``GPU_CELLS`` run at world 1).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fsdp_impl
+
+from . import fp8_training
+from .mesh import data_group, data_position, seed_kwargs, seed_mesh
+from .models import build_model, loss_fn, make_batch, unit_classes
+from .recompute import RecomputeBlock, build_net
+
+STEPS = 20
+CLIP = 1.0
+LOCAL_BATCH = 2
+LR = 1e-2
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One golden cell. ``mesh``: ``(dp_outer, dp_shard, cp, tp)`` (None: a 1-D mesh over the world)."""
+
+    name: str
+    world: int
+    model: str = "gpt"  # "gpt" (tied embedding), "recompute" (inside-unit recompute), "fp8", "te" (GPU)
+    zero: int = 3
+    mesh: tuple[int, int, int, int] | None = None
+    outer: str | None = None
+    dtype: torch.dtype = torch.float32  # compute dtype (main params and grads stay fp32)
+    optimizer: str = "adam"  # "adam": torch Adam; "adamw_decoupled": fsdp_impl AdamW, decoupled grads, bf16 moments
+    recipe: str | None = None  # FP8 recipe (model "fp8": torch-native; "te": TransformerEngine's)
+
+
+CELLS = (
+    Cell("zero0", 2, zero=0),
+    Cell("zero1", 2, zero=1),
+    Cell("zero2", 2, zero=2),
+    Cell("zero3", 2),
+    Cell("zero3_bf16", 2, dtype=torch.bfloat16),
+    Cell("zero3_decoupled_adamw", 2, optimizer="adamw_decoupled"),
+    Cell("zero3_recompute", 2, model="recompute"),
+    Cell("fp8_current", 2, model="fp8", recipe="current"),
+    Cell("fp8_delayed", 2, model="fp8", recipe="delayed"),
+    Cell("fp8_blockwise", 2, model="fp8", recipe="blockwise"),
+    Cell("hsdp", 4, mesh=(2, 2, 1, 1), outer="no_shard"),
+    Cell("hfsdp", 4, mesh=(2, 2, 1, 1), outer="optim"),
+    Cell("cp2", 4, mesh=(1, 2, 2, 1)),
+    Cell("tp2", 4, mesh=(1, 2, 1, 2)),
+)
+# One GPU (world 1): the same engine paths on CUDA/NCCL, plus TransformerEngine FP8 parameters.
+GPU_CELLS = (
+    Cell("gpu_zero3", 1),
+    Cell("gpu_zero3_bf16", 1, dtype=torch.bfloat16),
+    Cell("gpu_zero2", 1, zero=2),
+    Cell("gpu_zero3_recompute", 1, model="recompute"),
+    Cell("gpu_fp8_current", 1, model="fp8", recipe="current"),
+    Cell("gpu_te_current", 1, model="te", recipe="current"),
+    Cell("gpu_te_block", 1, model="te", recipe="block"),
+    Cell("gpu_te_delayed", 1, model="te", recipe="delayed"),
+)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _build(cell: Cell, device: torch.device) -> tuple[nn.Module, list[type[nn.Module]], Any, Any]:
+    """The model, its unit classes, a batch function ``(step, slot, slots) -> (inputs, target)``
+    and the loss function."""
+    if cell.model == "fp8":
+        def fp8_batch(step: int, slot: int, slots: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+            x, y = fp8_training.batch(step, slot, 0)
+            return (x,), y
+        return fp8_training.build(cell.recipe), [fp8_training.Fp8Block], fp8_batch, fp8_training.loss_fn
+    if cell.model == "te":
+        from . import te_fp8
+
+        def te_batch(step: int, slot: int, slots: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+            x, y = te_fp8.te_batch(step, slot)
+            return (x,), y
+        return (te_fp8.build_te(te_fp8.te_recipe(cell.recipe or ""), fp8_params=True), te_fp8.unit_classes(),
+                te_batch, lambda out, y: F.mse_loss(out.float(), y))
+    if cell.model == "recompute":
+        model = build_net("inside", dtype=cell.dtype)
+
+        def recompute_batch(step: int, slot: int, slots: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+            gen = torch.Generator().manual_seed(1000 * step + slot)
+            return (torch.randn(LOCAL_BATCH, 4, 3, generator=gen).to(cell.dtype),), torch.randn(
+                LOCAL_BATCH, 4, 2, generator=gen)
+        return model, [RecomputeBlock], recompute_batch, lambda out, y: F.mse_loss(out.float(), y)
+    model = build_model("gpt", cell.dtype, seed=0)
+
+    def gpt_batch(step: int, slot: int, slots: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        inputs, target = make_batch("gpt", LOCAL_BATCH * slots, seed=1000 + step)
+        sl = slice(slot * LOCAL_BATCH, (slot + 1) * LOCAL_BATCH)
+        return tuple(x[sl] for x in inputs), target[sl]
+    return model, list(unit_classes("gpt")), gpt_batch, loss_fn("gpt")
+
+
+def _optimizer(cell: Cell, params: Any) -> tuple[torch.optim.Optimizer, dict[str, Any]]:
+    if cell.optimizer == "adamw_decoupled":
+        opt = fsdp_impl.optim.AdamW(params, lr=LR, use_decoupled_grad=True, exp_avg_dtype=torch.bfloat16,
+                                    exp_avg_sq_dtype=torch.bfloat16)
+        return opt, {"use_decoupled_grad": True}
+    return torch.optim.Adam(params, lr=LR), {}
+
+
+def _te_autocast(cell: Cell) -> Any:
+    """``te.autocast`` with the cell's recipe for TE cells, else a no-op context."""
+    if cell.model != "te":
+        return contextlib.nullcontext
+    import transformer_engine.pytorch as te
+
+    from .te_fp8 import te_recipe
+
+    recipe = te_recipe(cell.recipe or "")
+    return lambda: te.autocast(recipe=recipe)
+
+
+def _param_checksum(model: nn.Module) -> float:
+    return float(sum(p.full_tensor().double().pow(2).sum() for p in model.module.parameters()))
+
+
+def run_cell(cell: Cell, device: torch.device, lr_scale: float = 1.0) -> dict[str, list[float]]:
+    """Train ``cell`` for ``STEPS`` steps; the per-step series the golden file keeps.
+    ``lr_scale`` perturbs the learning rate (the golden tests' proof that a drift is caught)."""
+    with one_thread():
+        return _run(cell, device, lr_scale)
+
+
+def _run(cell: Cell, device: torch.device, lr_scale: float) -> dict[str, list[float]]:
+    model, units, batch, loss = _build(cell, device)
+    opt, opt_kwargs = _optimizer(cell, model.parameters())
+    for group in opt.param_groups:
+        group["lr"] = group["lr"] * lr_scale
+    kwargs: dict[str, Any] = dict(fsdp_unit_modules=units, zero_dp_strategy=cell.zero, **opt_kwargs)
+    slot, slots = dist.get_rank(), dist.get_world_size()
+    if cell.mesh is not None:
+        mesh = seed_mesh(cell.mesh, device.type)
+        kwargs.update(seed_kwargs(mesh, cell.outer))
+        slot, slots = data_position(data_group(mesh, cell.outer))
+    wrapped, opt = fsdp_impl.fully_shard(model, opt, **kwargs)
+    series: dict[str, list[float]] = {"loss": [], "grad_norm": [], "param_checksum": []}
+    autocast = _te_autocast(cell)
+    for step in range(STEPS):
+        inputs, target = batch(step, slot, slots)
+        with autocast():
+            out = wrapped(*(x.to(device) for x in inputs))
+        value = loss(out, target.to(device))
+        value.backward()
+        total = value.detach().float().clone()
+        dist.all_reduce(total)
+        series["loss"].append(total.item() / dist.get_world_size())
+        series["grad_norm"].append(float(fsdp_impl.clip_grad_norm(wrapped, CLIP)))
+        opt.step()
+        opt.zero_grad()
+        series["param_checksum"].append(_param_checksum(wrapped))
+    return series
+
+

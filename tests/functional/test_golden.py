@@ -1,0 +1,100 @@
+"""Golden cells (``pytest -m golden``): fixed-seed runs against the reviewed per-platform files in
+``tests/golden/<platform>/`` (``common/golden_cells.py`` lists the cells, ``harness.golden``
+compares and, with ``--golden-update``, rewrites them).
+
+Tolerances. CPU (gloo, one intra-op thread) is deterministic: every series must match bit for
+bit (tolerance 0). GPU cells run at world 1 with ``torch.use_deterministic_algorithms`` and a fixed
+cuBLAS workspace, so they are compared exactly too; a cell that is not deterministic there gets a
+tolerance measured from repeated runs, written next to it in ``GPU_TOLERANCE`` with the numbers.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from harness import matrix
+from tests.functional import matrix_axes as axes
+from tests.functional.common.golden_cells import CELLS, GPU_CELLS, Cell, run_cell
+
+# Deterministic cuBLAS (read when the first cuBLAS handle is made: before any test of this bucket).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+pytestmark = [pytest.mark.golden, pytest.mark.matrix(graph="eager")]
+CPU_TOLERANCE = 0.0
+GPU_TOLERANCE: dict[str, float] = {}  # cell -> measured relative tolerance, where runs are not bit-identical
+
+
+def _mesh(cell: Cell) -> str:
+    return axes.mesh(cell.world) if cell.mesh is None else axes.mesh_shape(cell.mesh)
+
+
+def _cell_axes() -> pytest.MarkDecorator:
+    return pytest.mark.matrix(mesh=matrix.param("cell", _mesh), zero=axes.item("cell", "zero", axes.zero),
+                              outer=axes.item("cell", "outer", axes.outer), model=axes.item("cell", "model"),
+                              dtype=axes.item("cell", "dtype", axes.dtype),
+                              recipe=axes.item("cell", "recipe", lambda r: None if r is None else axes.recipe(r)),
+                              recompute=axes.item("cell", "model", lambda m: "inside" if m == "recompute" else None))
+
+
+def _cells(world: int) -> list[Any]:
+    return [pytest.param(c, id=c.name) for c in CELLS if c.world == world]
+
+
+def _check(cell: Cell, dist_env: Any, golden: Any) -> None:
+    golden.check(cell.name, run_cell(cell, dist_env.device), tolerance=CPU_TOLERANCE,
+                 note="CPU/gloo, one intra-op thread: deterministic, compared bit for bit")
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("cell", _cells(2))
+@_cell_axes()
+def test_golden_world2(cell: Cell, dist_env: Any, golden: Any) -> None:
+    _check(cell, dist_env, golden)
+
+
+@pytest.mark.distributed(world_size=4)
+@pytest.mark.parametrize("cell", _cells(4))
+@_cell_axes()
+def test_golden_world4(cell: Cell, dist_env: Any, golden: Any) -> None:
+    _check(cell, dist_env, golden)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.distributed(world_size=1, timeout=600)
+@pytest.mark.parametrize("cell", [pytest.param(c, id=c.name) for c in GPU_CELLS])
+@_cell_axes()
+def test_golden_gpu(cell: Cell, dist_env: Any, golden: Any) -> None:
+    torch.use_deterministic_algorithms(True)
+    try:
+        series = run_cell(cell, dist_env.device)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    golden.check(cell.name, series, tolerance=GPU_TOLERANCE.get(cell.name, 0.0),
+                 note="one GPU, deterministic algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8")
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params", model="gpt", dtype="fp32")
+def test_a_learning_rate_change_of_1e_6_drifts(dist_env: Any, golden: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The golden comparison can fail: the zero3 cell with its learning rate changed by a relative
+    1e-6 no longer matches its golden file (the check under --golden-update would rewrite it, so
+    this runs the comparison itself)."""
+    from harness.golden import SeriesDrift
+
+    monkeypatch.delenv("HARNESS_GOLDEN_UPDATE", raising=False)
+    cell = next(c for c in CELLS if c.name == "zero3")
+    stored = golden.path(cell.name)
+    if not stored.exists():
+        pytest.fail(f"no golden file {stored}: make it with `python -m pytest -m golden --golden-update`")
+    import json
+
+    want = json.loads(stored.read_text())["series"]
+    got = run_cell(cell, dist_env.device, lr_scale=1 + 1e-6)
+    drifts = {k: SeriesDrift(got[k], want[k], CPU_TOLERANCE) for k in got}
+    for d in drifts.values():
+        d.compare()
+    assert drifts["loss"].first_drift_step is not None, "a 1e-6 learning-rate change left the loss curve unchanged"
+    assert drifts["param_checksum"].first_drift_step == 0, drifts["param_checksum"].as_dict()
