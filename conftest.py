@@ -1,7 +1,7 @@
 """Root conftest: register the harness plugins in a source checkout that is not pip-installed.
 
 When the package is installed, pytest already loaded the ``pytest11`` entry points
-(``fsdp_harness`` -> harness.plugin, ``fsdp_harness_regression`` -> harness.report.regression); registering
+(``fsdp_harness`` -> harness.plugin, ``fsdp_harness_regression`` -> harness.regression_marker); registering
 the same modules again would run every hook twice, so each is registered only if it is not yet there.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-_PLUGINS = (("fsdp_harness", "harness.plugin"), ("fsdp_harness_regression", "harness.report.regression"))
+_PLUGINS = (("fsdp_harness", "harness.plugin"), ("fsdp_harness_regression", "harness.regression_marker"))
 
 
 def pytest_addhooks(pluginmanager) -> None:  # type: ignore[no-untyped-def]

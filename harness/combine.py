@@ -15,6 +15,7 @@ import pytest
 from _pytest._code.code import ReprFileLocation
 
 from harness.outcome import Fault, TestOutcome
+from harness.report.junit_format import STATE_CHANGED_PROPERTY, rank_property
 
 Phase = Literal["setup", "call", "teardown"]
 Outcome = Literal["passed", "failed", "skipped"]
@@ -135,10 +136,10 @@ class ReportBuilder:
     def properties(self) -> list[tuple[str, object]]:
         props: list[tuple[str, object]] = list(self.item.user_properties)
         for r in range(self.world_size):
-            props.append((f"rank{r}", self.rank_state(r)))
+            props.append((rank_property(r), self.rank_state(r)))
         changes = state_changes(self.outcome)
         if changes:
-            props.append(("state_changed", "; ".join(changes)))
+            props.append((STATE_CHANGED_PROPERTY, "; ".join(changes)))
         seen: dict[tuple[str, str], list[int]] = {}
         values: dict[tuple[str, str], object] = {}
         for r in sorted(self.per_rank):
@@ -154,7 +155,7 @@ class ReportBuilder:
             if len(ranks) == self.world_size:
                 props.append((name, values[(name, rv)]))
             else:
-                props.extend((f"rank{r}.{name}", values[(name, rv)]) for r in ranks)
+                props.extend((rank_property(r, name), values[(name, rv)]) for r in ranks)
         return props
 
     def _report(self, when: Phase, outcome: Outcome, longrepr: Any, sections: list[tuple[str, str]],

@@ -28,8 +28,9 @@ from typing import Any
 
 import pytest
 
+from harness.report.junit_format import AXIS_PROPERTY_PREFIX
+
 MARKER = "matrix"
-AXIS_PROPERTY_PREFIX = "axis:"
 INI_AXES = "harness_matrix_axes"
 MAX_VALUE_CHARS = 100
 AXES_KEY = pytest.StashKey[dict[str, str]]()

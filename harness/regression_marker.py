@@ -1,4 +1,4 @@
-"""pytest plugin: ``@pytest.mark.regression("bug-id", description="...")``.
+"""pytest plugin (entry point ``fsdp_harness_regression``): ``@pytest.mark.regression("bug-id", description="...")``.
 
 The markers are the registry of known bugs: there is no separate table to keep in
 sync. At collection each test gets JUnit properties that the sign-off report reads:
@@ -18,7 +18,7 @@ from collections.abc import Generator
 
 import pytest
 
-from harness.report.junit_read import (
+from harness.report.junit_format import (
     BUG_ID_RE,
     PARAM_PROPERTY_PREFIX,
     REGRESSION_DESCRIPTION_PROPERTY,

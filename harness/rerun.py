@@ -22,9 +22,8 @@ from typing import Any
 import pytest
 from _pytest.runner import runtestprotocol
 
-FLAKY_PROPERTY = "harness_flaky"
-RERUN_FAILURE_PROPERTY = "harness_rerun_failure"
-RERUNS_PROPERTY = "harness_reruns"
+from harness.report.junit_format import FLAKY_PROPERTY, RERUN_FAILURE_PROPERTY, RERUNS_PROPERTY
+
 _MAX_SECTION_CHARS = 20_000
 
 

@@ -26,13 +26,20 @@ from typing import IO, Any
 import pytest
 
 from harness import environment
-from harness.matrix import AXES_KEY, AXIS_PROPERTY_PREFIX, allowed_axes
+from harness.matrix import AXES_KEY, allowed_axes
 from harness.mutant import ENV_MUTANT
+from harness.report.junit_format import (
+    AXIS_PROPERTY_PREFIX,
+    ERROR,
+    FAILED,
+    FLAKY,
+    FLAKY_PROPERTY,
+    PASSED,
+    SKIPPED,
+    XFAILED,
+)
 from harness.report.sidecar_format import SCHEMA, bucket_summary, sidecar_paths, strip_xdist_group
-from harness.rerun import FLAKY_PROPERTY
 
-# Outcomes, as harness.report.junit_read names them.
-PASSED, FLAKY, XFAILED, SKIPPED, ERROR, FAILED = "passed", "flaky", "xfailed", "skipped", "error", "failed"
 _MESSAGE_CHARS = 300
 
 

@@ -18,35 +18,31 @@ from collections.abc import Iterable, Sequence
 import junitparser
 from junitparser.junitparser import etree as JUNIT_ETREE  # lxml when installed, else ElementTree
 
-# Outcomes, worst last: a testcase with several children (a failed call plus a
-# teardown error) takes the worst one. FLAKY: failed, then passed on a rerun (never "passed").
-# NOT_RUN: collected for the run but never reported (the run crashed, hung, or stopped early).
-PASSED = "passed"
-FLAKY = "flaky"
-XFAILED = "xfailed"
-SKIPPED = "skipped"
-NOT_RUN = "not run"
-ERROR = "error"
-FAILED = "failed"
-OUTCOMES = (PASSED, FLAKY, XFAILED, SKIPPED, NOT_RUN, ERROR, FAILED)
+from harness.report.junit_format import (
+    AXIS_PROPERTY_PREFIX,
+    ERROR,
+    FAILED,
+    FLAKY,
+    FLAKY_PROPERTY,
+    NOT_RUN,
+    NOT_RUN_TYPE,
+    OUTCOMES,
+    PARAM_PROPERTY_PREFIX,
+    PASSED,
+    RANK_PROPERTY_RE,
+    RERUN_FAILURE_PROPERTY,
+    SKIPPED,
+    XFAILED,
+)
+
+# A testcase with several children (a failed call plus a teardown error) takes the worst outcome.
 OUTCOME_RANK = types.MappingProxyType({o: i for i, o in enumerate(OUTCOMES)})
 FAILING = frozenset({FAILED, ERROR})
-FLAKY_PROPERTY = "harness_flaky"  # written by harness.rerun
-RERUN_FAILURE_PROPERTY = "harness_rerun_failure"
-AXIS_PROPERTY_PREFIX = "axis:"  # written by harness.matrix
-NOT_RUN_TYPE = "harness.not_run"  # <skipped type> of a never-run test in the sign-off's merged JUnit
 
 # pytest's default suite name; any other name (``-o junit_suite_name=...``) labels the run.
 DEFAULT_SUITE_NAME = "pytest"
 COLLECTION_FAILURE = "collection failure"
 
-# Regression ids as carried in ``regression`` properties and known-bug lists: kebab-case.
-BUG_ID_RE = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
-REGRESSION_PROPERTY = "regression"
-REGRESSION_DESCRIPTION_PROPERTY = "regression_description"
-PARAM_PROPERTY_PREFIX = "param:"
-
-_RANK_PROPERTY = re.compile(r"^rank[ _-]?(\d+)(?:=(\w+))?$")
 # "rank 2", "rank2", "[rank 2]", "ranks 1, 3", "rank(s) [1, 3]"
 _RANK_IN_TEXT = re.compile(r"\branks?(?:\(s\))?[ _#:=-]?\s*\[?(\d+(?:\s*,\s*\d+)*)", re.IGNORECASE)
 _FAIL_WORDS = re.compile(
@@ -225,7 +221,7 @@ def failing_ranks(case: TestCase) -> list[int]:
     ranks: set[int] = set()
     seen_property = False
     for name, value in case.properties:
-        match = _RANK_PROPERTY.match(name)
+        match = RANK_PROPERTY_RE.match(name)
         if match is not None:
             seen_property = True
             outcome = (match.group(2) or value).lower()

@@ -8,12 +8,10 @@ import pathlib
 from collections import defaultdict
 from collections.abc import Sequence
 
+from harness.report.junit_format import BUG_ID_RE, REGRESSION_DESCRIPTION_PROPERTY, REGRESSION_PROPERTY
 from harness.report.junit_read import (
-    BUG_ID_RE,
     NOT_RUN,
     PASSED,
-    REGRESSION_DESCRIPTION_PROPERTY,
-    REGRESSION_PROPERTY,
     SKIPPED,
     Counts,
     JunitError,

@@ -25,10 +25,10 @@ from typing import Any
 
 import junitparser
 
+from harness.report.junit_format import AXIS_PROPERTY_PREFIX, NOT_RUN_TYPE, SYNTHESISED_PROPERTY
 from harness.report.junit_read import (
     ERROR,
     NOT_RUN,
-    NOT_RUN_TYPE,
     OUTCOME_RANK,
     JunitError,
     PytestXml,
@@ -71,7 +71,7 @@ class Run:
     @property
     def synthesised(self) -> list[TestCase]:
         """Cases that exist only because the run did not report them (crashed, not run, missing)."""
-        return [c for c in self.cases if c.prop("harness_synthesised")]
+        return [c for c in self.cases if c.prop(SYNTHESISED_PROPERTY)]
 
 
 def mangle(nodeid: str) -> tuple[str, str]:
@@ -132,7 +132,8 @@ def _with_sidecar(case: TestCase, nodeid: str, record: Mapping[str, Any], gating
 def _synthetic(run: str, nodeid: str, outcome: str, message: str, axes: Mapping[str, str] | None = None,
                gating: bool = True) -> TestCase:
     classname, name = mangle(nodeid)
-    props = (("harness_synthesised", outcome), *((f"axis:{k}", str(v)) for k, v in (axes or {}).items()))
+    axis_props = ((f"{AXIS_PROPERTY_PREFIX}{k}", str(v)) for k, v in (axes or {}).items())
+    props = ((SYNTHESISED_PROPERTY, outcome), *axis_props)
     return TestCase(run=run, classname=classname, name=name, outcome=outcome, message=message,
                     properties=props, nodeid=nodeid, gating=gating)
 
@@ -143,7 +144,7 @@ def _from_record(run: str, nodeid: str, record: Mapping[str, Any], gating: bool)
     case = _synthetic(run, nodeid, outcome if outcome in OUTCOME_RANK else ERROR, str(record.get("message", "")),
                       record.get("axes"), gating)
     case = dataclasses.replace(case, time_s=float(record.get("duration_s", 0.0)),
-                               properties=tuple(p for p in case.properties if p[0] != "harness_synthesised"))
+                               properties=tuple(p for p in case.properties if p[0] != SYNTHESISED_PROPERTY))
     return _with_sidecar(case, nodeid, record, gating)
 
 

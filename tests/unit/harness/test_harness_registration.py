@@ -8,7 +8,7 @@ import sys
 import pytest
 from harness_selftest import REPO
 
-PLUGIN_MODULES = ["harness.plugin", "harness.report.regression"]
+PLUGIN_MODULES = ["harness.plugin", "harness.regression_marker"]
 
 _CHECK = f"""
 import sys, pytest

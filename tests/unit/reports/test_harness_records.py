@@ -52,7 +52,7 @@ def run_pytest(tmp: pathlib.Path, *args: str, env_extra: dict[str, str] | None =
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", HARNESS_FORCE_CPU="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.update(env_extra or {})
-    cmd = [sys.executable, "-m", "pytest", "-p", "harness.plugin", "-p", "harness.report.regression",
+    cmd = [sys.executable, "-m", "pytest", "-p", "harness.plugin", "-p", "harness.regression_marker",
            "-p", "no:cacheprovider", "-q", *args]
     return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
 

@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from harness.report import regression
+from harness import regression_marker
 from harness.report.junit_read import read_junit
 from harness.report.regressions import regression_rows
 
@@ -57,7 +57,7 @@ def run_pytest(tmp_path: pathlib.Path, files: dict[str, str], *args: str) -> tup
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "harness.report.regression", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-p", "harness.regression_marker", "-p", "no:cacheprovider",
          "--strict-markers", "-q", *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
@@ -83,7 +83,7 @@ def properties_by_name(xml: pathlib.Path) -> dict[str, list[tuple[str, str]]]:
     (pytest.mark.regression("ok", description=3), "description must be a string, got int"),
 ])
 def test_marker_problem(mark, problem) -> None:
-    found = regression.marker_problem(mark.mark)
+    found = regression_marker.marker_problem(mark.mark)
     if problem is None:
         assert found is None
     else:

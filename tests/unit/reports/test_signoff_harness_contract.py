@@ -40,7 +40,7 @@ def test_report_of_a_real_distributed_run(tmp_path) -> None:
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", HARNESS_FORCE_CPU="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "harness.plugin", "-p", "harness.report.regression",
+        [sys.executable, "-m", "pytest", "-p", "harness.plugin", "-p", "harness.regression_marker",
          "-p", "no:cacheprovider", "-q", "--junitxml=run.xml", "tests"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout + proc.stderr
