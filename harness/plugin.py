@@ -6,7 +6,6 @@ controller (plain ``pytest``, also inside each xdist worker).
 """
 from __future__ import annotations
 
-import os
 import pathlib
 from collections.abc import Generator
 from typing import Any
@@ -56,16 +55,6 @@ def _register_parts(pluginmanager: pytest.PytestPluginManager) -> None:
             pluginmanager.register(module, name)
 
 
-def run_mode() -> str:
-    """``rank`` inside a spawned rank, ``torchrun`` under torchrun, else ``controller``."""
-    if os.environ.get(protocol.ENV_RANK_PROCESS) == "1":
-        return "rank"
-    torchrun_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    if os.environ.get("TORCHELASTIC_RUN_ID") or all(k in os.environ for k in torchrun_vars):
-        return "torchrun"
-    return "controller"
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_cmdline_main(config: pytest.Config) -> Generator[None, Any, Any]:
     """Keep each bucket on one xdist worker: default ``-n K`` to ``--dist loadgroup``.
@@ -97,13 +86,13 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     mutant.apply_from_env()
-    mode = run_mode()
-    if mode == "controller":
+    mode = protocol.run_mode()
+    if mode == protocol.RunMode.CONTROLLER:
         from harness.controller import Controller
 
         config.pluginmanager.register(Controller(config), "fsdp_harness_controller")
-    elif mode == "torchrun":
-        from harness.torchrun_mode import TorchrunSession, quiet_non_zero_ranks
+    elif mode == protocol.RunMode.TORCHRUN:
+        from harness.torchrun.session import TorchrunSession, quiet_non_zero_ranks
 
         quiet_non_zero_ranks(config)
         config.pluginmanager.register(TorchrunSession(config), "fsdp_harness_torchrun")

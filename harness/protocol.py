@@ -19,7 +19,9 @@ Values are JSON text. ``json.dumps`` escapes every non-ASCII character, so the t
 """
 from __future__ import annotations
 
+import enum
 import json
+import os
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -42,6 +44,32 @@ KEY_END = "end"
 KEY_READY = "ready"
 KEY_DUMP = "dump"
 KEY_FINAL = "final"
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+
+
+class WireEnum(str, enum.Enum):
+    """A ``str`` enum that prints as its value on every Python version, so messages, store values
+    and JSON keep the plain words (``enum.StrEnum`` needs 3.11)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class RunMode(WireEnum):
+    """The role of this pytest process, chosen once at configure time."""
+
+    RANK = "rank"  # a rank process the spawn-mode controller started (harness._rank_main)
+    TORCHRUN = "torchrun"  # one rank of ``torchrun -m pytest``
+    CONTROLLER = "controller"  # plain pytest, or an xdist worker: spawns the buckets
+
+
+def run_mode() -> RunMode:
+    """RANK inside a spawned rank, TORCHRUN under torchrun, else CONTROLLER."""
+    if os.environ.get(ENV_RANK_PROCESS) == "1":
+        return RunMode.RANK
+    if os.environ.get("TORCHELASTIC_RUN_ID") or all(k in os.environ for k in TORCHRUN_ENV):
+        return RunMode.TORCHRUN
+    return RunMode.CONTROLLER
 
 
 class KeyValueStore(Protocol):

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from _pytest.runner import runtestprotocol
 
+from harness.protocol import RunMode
 from harness.report.junit_format import FLAKY_PROPERTY, RERUN_FAILURE_PROPERTY, RERUNS_PROPERTY
 
 _MAX_SECTION_CHARS = 20_000
@@ -92,14 +93,14 @@ class Rerunner:
         return True
 
 
-def register(config: pytest.Config, mode: str) -> None:
+def register(config: pytest.Config, mode: RunMode) -> None:
     """Install the rerunner when ``--harness-reruns`` asks for it (not in rank processes)."""
     reruns = int(config.getoption("harness_reruns", 0) or 0)
     if reruns < 0:
         raise pytest.UsageError(f"--harness-reruns must be >= 0, got {reruns}")
-    if reruns == 0 or mode == "rank":
+    if reruns == 0 or mode == RunMode.RANK:
         return
-    if mode == "torchrun":
+    if mode == RunMode.TORCHRUN:
         raise pytest.UsageError("--harness-reruns is not supported under torchrun: the ranks cannot be restarted "
                                 "for a rerun; run the suite in spawn mode (plain pytest) to rerun failures")
     config.pluginmanager.register(Rerunner(config, reruns), "fsdp_harness_rerunner")

@@ -28,6 +28,7 @@ import pytest
 from harness import environment
 from harness.matrix import AXES_KEY, allowed_axes
 from harness.mutant import ENV_MUTANT
+from harness.protocol import RunMode
 from harness.report.junit_format import (
     AXIS_PROPERTY_PREFIX,
     ERROR,
@@ -220,9 +221,9 @@ class SidecarWriter:
         self.journal_path.unlink(missing_ok=True)
 
 
-def register(config: pytest.Config, mode: str) -> None:
+def register(config: pytest.Config, mode: RunMode) -> None:
     """Register the annotator where tests run and the writer where JUnit is written."""
-    if mode == "rank":
+    if mode == RunMode.RANK:
         return
     config.pluginmanager.register(ReportAnnotator(config), "fsdp_harness_annotator")
     xml = getattr(config.option, "xmlpath", None)

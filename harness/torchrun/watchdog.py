@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness import proc_tree, protocol
 from harness.stacks import format_stacks
+from harness.torchrun.state import Phase
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -87,7 +88,7 @@ class RankWatchdog:
     returns the captured output of a running test; ``judge()`` (rank 0) and ``on_sigterm()`` are the
     session's callbacks."""
 
-    def __init__(self, rank: int, store: Store, signals: SignalPipe, phase: Callable[[], str],
+    def __init__(self, rank: int, store: Store, signals: SignalPipe, phase: Callable[[], Phase],
                  output: Callable[[], str], judge: Callable[[], None] | None,
                  on_sigterm: Callable[[], None]) -> None:
         self.rank = rank
@@ -137,10 +138,10 @@ class RankWatchdog:
         """Stacks of every thread but this one, and the running test's output so far."""
         phase = self.phase()
         output = ""
-        if phase == "running":
+        if phase == Phase.RUNNING:
             with contextlib.suppress(Exception):
                 output = "\n".join(self.output().splitlines()[-OUTPUT_TAIL_LINES:])
-        return {"phase": phase, "stack": format_stacks(skip=frozenset({threading.get_ident()})), "output": output}
+        return {"phase": phase.value, "stack": format_stacks(skip=frozenset({threading.get_ident()})), "output": output}
 
     def _check_final(self) -> None:
         """After rank 0 finished, the main thread has ``FINAL_WAIT_S`` to end by itself (a rank stuck in

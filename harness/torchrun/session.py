@@ -4,8 +4,8 @@ Every rank runs the same pytest session and every test in the same order, as pla
 torchrun does, but in lockstep: a rank starts a test only when rank 0 announces it (``go/<seq>``),
 and rank 0 announces it only after every rank answered the previous one, so a test that failed early
 on one rank never pairs its collectives with the next test's. Ranks meet through the rendezvous store
-(``harness.torchrun_link``), never the process group; rank 0 alone merges the answers into one
-outcome per test, prints and writes JUnit (``harness.torchrun_report``).
+(``harness.torchrun.link``), never the process group; rank 0 alone merges the answers into one
+outcome per test, prints and writes JUnit (``harness.torchrun.reporter``).
 
 The harness does not initialise the default process group for unmarked tests: they see what plain
 pytest would, so a suite whose ``setup_class`` calls ``init_process_group`` itself works unchanged.
@@ -16,12 +16,11 @@ local rank, else gloo) and destroys again before the next unmarked test.
 Faults: a test that exceeds its timeout on any rank, or whose ranks stay blocked past the grace
 period after one failed, fails with every rank's stacks and ends the session; so does SIGTERM
 (torchrun stops all ranks when one exits with an error, e.g. a crash, and so does a cancelled job).
-Rank 0 reports even when its own main thread is stuck (``harness.torchrun_watchdog``); a rank still
+Rank 0 reports even when its own main thread is stuck (``harness.torchrun.watchdog``); a rank still
 stuck in a test exits once rank 0 has written its results.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import pathlib
@@ -35,20 +34,19 @@ from _pytest.runner import runtestprotocol
 
 from harness import backend as backend_mod
 from harness import payload as payload_mod
-from harness import proc_tree, protocol, torchrun_link
+from harness import proc_tree, protocol
 from harness.context import RANK_STATE_KEY, DistEnv, RankState
 from harness.outcome import payload_failed
 from harness.rank_guard import RankGuard
 from harness.spec import SPEC_KEY, resolve_timeout
-from harness.torchrun_report import Reporter
-from harness.torchrun_watchdog import SIGTERM_WAIT_S, RankWatchdog, SignalPipe, end_process, keep_real_stderr, say
+from harness.torchrun import link
+from harness.torchrun.reporter import Reporter
+from harness.torchrun.state import Phase, Running, TakeOver
+from harness.torchrun.watchdog import SIGTERM_WAIT_S, RankWatchdog, SignalPipe, end_process, keep_real_stderr, say
 
 JUNIT_PATH_KEY = pytest.StashKey[str | None]()
 END_WAIT_S = 10.0
 FINAL_WAIT_OTHERS_S = 120.0
-
-# What the main thread is doing; the watchdog may take over in any phase but "finishing".
-IDLE, RUNNING, WAITING, FINISHING, ABANDONED = "idle", "running", "waiting", "finishing", "abandoned"
 
 
 def is_rank0() -> bool:
@@ -61,16 +59,6 @@ def quiet_non_zero_ranks(config: pytest.Config) -> None:
     if not is_rank0():
         config.option.xmlpath = None
         config.pluginmanager.set_blocked("terminalreporter")
-
-
-@dataclasses.dataclass(frozen=True)
-class Running:
-    """The test the main thread is in: its sequence number, item, start (monotonic) and timeout."""
-
-    seq: int
-    item: pytest.Item
-    start: float
-    timeout: float
 
 
 def _park() -> None:
@@ -94,12 +82,12 @@ class TorchrunSession:
         self.backend = "nccl" if self.use_cuda else "gloo"
         proc_tree.become_subreaper()
         keep_real_stderr()
-        self.store = torchrun_link.connect_store(self.rank, self.world_size, host=True)
-        self.watch_store = torchrun_link.connect_store(self.rank, self.world_size, host=False)
-        torchrun_link.publish_info(self.store, self.rank)
-        self.peers = torchrun_link.Peers()
+        self.store = link.connect_store(self.rank, self.world_size, host=True)
+        self.watch_store = link.connect_store(self.rank, self.world_size, host=False)
+        link.publish_info(self.store, self.rank)
+        self.peers = link.Peers()
         self.lock = threading.Lock()
-        self.phase = IDLE
+        self.phase = Phase.IDLE
         self.running: Running | None = None
         self.seq = 0
         self.own_group: object | None = None
@@ -118,17 +106,17 @@ class TorchrunSession:
         return threading.current_thread() is self.watchdog.thread
 
     def abandoned(self) -> bool:
-        return self.phase == ABANDONED
+        return self.phase == Phase.ABANDONED
 
-    def enter(self, phase: str, running: Running | None = None) -> None:
+    def enter(self, phase: Phase, running: Running | None = None) -> None:
         """Main thread: move to ``phase``; park for good if the watchdog has taken over."""
         with self.lock:
             self.park_if_abandoned(locked=True)
             self.phase = phase
-            self.running = running if phase == RUNNING else self.running
+            self.running = running if phase == Phase.RUNNING else self.running
 
     def park_if_abandoned(self, locked: bool = False) -> None:
-        if self.phase == ABANDONED and not self.in_watchdog():
+        if self.phase == Phase.ABANDONED and not self.in_watchdog():
             if locked:
                 self.lock.release()
             _park()
@@ -136,26 +124,26 @@ class TorchrunSession:
     def running_test(self) -> Running | None:
         """The test rank 0's main thread is inside, None when it is elsewhere."""
         with self.lock:
-            return self.running if self.phase == RUNNING else None
+            return self.running if self.phase == Phase.RUNNING else None
 
     def running_output(self, was_running: bool = False) -> str:
         """What the running test printed so far on this rank (taken from pytest's capture)."""
         capman = self.config.pluginmanager.getplugin("capturemanager")
-        if capman is None or not (was_running or self.phase == RUNNING):
+        if capman is None or not (was_running or self.phase == Phase.RUNNING):
             return ""
         out, err = capman.read_global_capture()
         return "\n".join(s for s in (out, err) if s)[-16384:]
 
-    def take_over(self, kind: str) -> None:
+    def take_over(self, kind: TakeOver) -> None:
         """Rank 0's watchdog: report in place of the main thread and end the session (``kind``:
         timeout, peer_failed, terminated). Nothing to do while the main thread is finishing."""
         assert self.reporter is not None
         with self.lock:
-            if self.phase in (FINISHING, ABANDONED):
+            if self.phase in (Phase.FINISHING, Phase.ABANDONED):
                 return
-            was_running = self.phase == RUNNING
-            run = self.running if self.phase in (RUNNING, WAITING) else None
-            self.phase = ABANDONED
+            was_running = self.phase == Phase.RUNNING
+            run = self.running if self.phase in (Phase.RUNNING, Phase.WAITING) else None
+            self.phase = Phase.ABANDONED
         own_output = ""
         if was_running:
             try:
@@ -168,7 +156,7 @@ class TorchrunSession:
         """SIGTERM: rank 0 reports and ends; another rank keeps answering stack requests until rank 0
         is done (or a few seconds passed), then ends."""
         if self.rank == 0:
-            self.take_over("terminated")
+            self.take_over(TakeOver.TERMINATED)
             return
         finished = self.watchdog.serve_until_final(SIGTERM_WAIT_S,
                                                    give_up=lambda: bool(self.peers.gone(self.watch_store, [0])))
@@ -242,24 +230,24 @@ class TorchrunSession:
         run = Running(seq, item, time.monotonic(), resolve_timeout(self.config, spec, self.backend))
         if self.rank == 0:
             item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        self.enter(RUNNING, run)
+        self.enter(Phase.RUNNING, run)
         self.guard.before_test()
         own_properties = list(item.user_properties)
         reports = runtestprotocol(item, nextitem=nextitem, log=False)
         item.user_properties[:] = own_properties  # what the run recorded travels in this rank's reports
         changes, _ = self.guard.after_test()
-        self.enter(WAITING)
+        self.enter(Phase.WAITING)
         self._answer(run, reports, changes)
         if self.reporter is not None:
             self.reporter.gather(run)
-        self.enter(IDLE)
+        self.enter(Phase.IDLE)
         return True
 
     def _announce(self, seq: int, item: pytest.Item) -> dict[str, Any]:
         """Rank 0 says whether test ``seq`` runs (and its shared directory); the others wait for it."""
         key = protocol.key_go(seq)
         if self.rank != 0:
-            self.enter(WAITING)
+            self.enter(Phase.WAITING)
             self._wait_for(key)
             return protocol.get(self.store, key)
         go: dict[str, Any] = {"op": "stop" if item.session.shouldstop or item.session.shouldfail else "run"}
@@ -326,7 +314,7 @@ class TorchrunSession:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         """Release ranks waiting for a test rank 0 will not run; count this rank as finished."""
         if not self.in_watchdog():
-            self.enter(FINISHING)
+            self.enter(Phase.FINISHING)
         if self.rank == 0:
             protocol.put(self.store if not self.in_watchdog() else self.watch_store,
                          protocol.key_go(self.seq), {"op": "stop"})

@@ -21,13 +21,15 @@ from harness import protocol
 from harness.combine import ReportBuilder, warn_state_changes
 from harness.outcome import Fault, TestOutcome, first_failed_rank
 from harness.stacks import format_stacks
-from harness.torchrun_watchdog import end_process, say
+from harness.torchrun.state import TakeOver
+from harness.torchrun.watchdog import end_process, say
 from harness.wait import Payloads, wait_for_answers
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-    from harness.torchrun_mode import Running, TorchrunSession
+    from harness.torchrun.session import TorchrunSession
+    from harness.torchrun.state import Running
 
 STACK_WAIT_S = 3.0
 LIVENESS_EVERY_S = 0.5
@@ -165,16 +167,16 @@ class Reporter:
             return
         now = time.monotonic()
         if now - run.start > run.timeout:
-            self.session.take_over("timeout")
+            self.session.take_over(TakeOver.TIMEOUT)
             return
         if int(self._store().add(protocol.key_failed(run.seq), 0)) == 0:
             return
         if self._first_failure is None or self._first_failure[0] != run.seq:
             self._first_failure = (run.seq, now)
         elif now - self._first_failure[1] > self.grace_s:
-            self.session.take_over("peer_failed")
+            self.session.take_over(TakeOver.PEER_FAILED)
 
-    def emergency(self, kind: str, run: Running | None, own_output: str) -> None:
+    def emergency(self, kind: TakeOver, run: Running | None, own_output: str) -> None:
         """Report ``run`` (if a test was under way) as failed by ``kind``, finish the session, exit.
         ``own_output``: what the test printed on rank 0 so far, if rank 0 was still in it."""
         capman = self.config.pluginmanager.getplugin("capturemanager")
@@ -182,9 +184,9 @@ class Reporter:
             payloads: Payloads = {}
             protocol.collect_answers(self._store(), run.seq, range(self.world_size), payloads)
             pending = [r for r in range(self.world_size) if r not in payloads]
-            if kind == "terminated":
+            if kind == TakeOver.TERMINATED:
                 fault = self._died(pending, own_output, terminated=True)
-            elif kind == "peer_failed":
+            elif kind == TakeOver.PEER_FAILED:
                 fault = self._peer_failed(payloads, pending, own_output)
             else:
                 fault = self._timed_out(run, pending, own_output)
