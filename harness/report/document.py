@@ -1,9 +1,11 @@
 """The sign-off as a list of neutral blocks (headings, paragraphs, tables, charts), so that the
-Markdown and HTML renderers show exactly the same content in the same order:
+Markdown and HTML renderers show exactly the same content in the same order.
 
-verdict and its rules; changes since the baseline; the configuration matrix; known bugs and their
-regression tests; failures by rank; flaky tests; skips by reason; slowest tests and buckets;
-environment; and, when given, mutation testing.
+The order is a release manager's: the verdict and its rules; what changed since the baseline; the
+configuration matrix; the failures; then the rest (known bugs and their regression tests, flaky
+tests, skips by reason, results per suite and file, slowest tests and buckets, environment and,
+when given, mutation testing). Tables longer than ``FOLD_ROWS`` are folded (``Details``) so the
+sections a reader needs first stay on the first screen.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ from harness.report.junit_read import COUNT_HEADERS, Counts, TestCase, one_line_
 from harness.report.sections import Report
 
 MAX_LISTED = 200  # tests listed in one expandable list
+FOLD_ROWS = 15  # a longer table is folded behind its summary line
 
 
 class Code(str):
     """A cell or item shown as code (a test id, a bug id, a path)."""
+
+
+class Md(str):
+    """A cell written with the report's Markdown inlines (`code`, **bold**): the HTML page renders them."""
 
 
 @dataclasses.dataclass
@@ -53,9 +60,11 @@ class Details:
 
 @dataclasses.dataclass
 class Chart:
-    """A picture only the HTML page draws: ``heatmap`` (the matrix) or ``suite_bars``."""
+    """A picture only the HTML page draws: ``heatmap`` (the matrix) or ``suite_bars``. ``fallback``
+    holds the same data for text: Markdown shows it in the chart's place, HTML folds it below."""
 
     kind: str
+    fallback: list[Any] = dataclasses.field(default_factory=list)
 
 
 Block = Heading | Para | Bullets | Table | Details | Chart
@@ -69,28 +78,40 @@ def _counts(first: str, groups: dict[str, list[TestCase]]) -> Table:
     return _table([first, *COUNT_HEADERS], ([name, *Counts.of(g).row()] for name, g in groups.items()))
 
 
+def fold(summary: str, table: Table, limit: int = FOLD_ROWS) -> Block:
+    """``table`` as it is when it is short, else folded behind ``summary (N rows)``."""
+    return table if len(table.rows) <= limit else Details(f"{summary} ({len(table.rows)} rows)", [table])
+
+
 def verdict_blocks(rep: Report) -> list[Block]:
     out: list[Block] = [Heading(2, f"Verdict: {'PASS' if rep.passed else 'FAIL'}"),
                         Bullets(rep.reasons + [f"note: {n}" for n in rep.notes] or ["every rule below holds"]),
+                        _table(COUNT_HEADERS, [rep.counts.row()]),
                         Heading(3, "Rules"),
                         _table(["rule", "requires", "result", "evidence"],
-                               ([r.name, r.requires, "ok" if r.ok else "FAILED", r.detail] for r in rep.rules)),
-                        Para(f"Generated {rep.generated} from: " + ", ".join(f"`{s}`" for s in rep.sources)),
-                        _table(COUNT_HEADERS, [rep.counts.row()])]
+                               ([r.name, r.requires, "ok" if r.ok else "FAILED", Md(r.detail)] for r in rep.rules)),
+                        Para(f"Generated {rep.generated} from: " + ", ".join(f"`{s}`" for s in rep.sources))]
     if len(rep.runs) > 1 or any(not r.gating for r in rep.runs):
         out += [Heading(3, "Per run"),
-                _table(["run", "gating", "complete", *COUNT_HEADERS],
-                       ([r.label, "yes" if r.gating else "no (flaky script)", "yes" if r.complete else "NO",
-                         *Counts.of(r.cases).row()] for r in rep.runs))]
-    return out + [Heading(3, "Per suite"), Chart("suite_bars"), _counts("suite", rep.by("suite")),
-                  Heading(3, "Per test file"), _counts("file", rep.by("module_path"))]
+                fold("Every run", _table(["run", "gating", "complete", *COUNT_HEADERS],
+                                         ([r.label, "yes" if r.gating else "no (flaky script)",
+                                           "yes" if r.complete else "NO", *Counts.of(r.cases).row()]
+                                          for r in rep.runs)))]
+    return out
 
 
-def _capped(title: str, capped: Capped, table_of: Any) -> list[Block]:
+def suite_blocks(rep: Report) -> list[Block]:
+    """Outcomes per suite (a bar each) and per test file (folded when long)."""
+    return [Heading(2, "Results per suite and file"),
+            Heading(3, "Per suite"), Chart("suite_bars"), _counts("suite", rep.by("suite")),
+            Heading(3, "Per test file"), fold("Every test file", _counts("file", rep.by("module_path")))]
+
+
+def _capped(title: str, capped: Capped, table_of: Any, foldable: bool = True) -> list[Block]:
     out: list[Block] = [Para(f"**{title}** ({capped.total})")]
     if not capped.total:
         return out + [Para("None.")]
-    out.append(table_of(capped.shown))
+    out.append(fold(title, table_of(capped.shown)) if foldable else table_of(capped.shown))
     if capped.hidden:
         out.append(Para(f"... and {capped.hidden} more (each list is capped at {len(capped.shown)}; "
                         "`--diff-limit` changes the cap)"))
@@ -111,7 +132,7 @@ def diff_blocks(diff: BaselineDiff | None, sources: Sequence[str]) -> list[Block
     def keys(entries: list[str]) -> Table:
         return _table(["test"], ([Code(k)] for k in entries))
 
-    out += _capped("New failures", diff.new_failures, changes)
+    out += _capped("New failures", diff.new_failures, changes, foldable=False)  # the list a release stops on
     out += _capped("Fixed", diff.fixes, changes)
     out += _capped("Newly skipped or not run", diff.newly_skipped, changes)
     out += _capped("Vanished tests", diff.vanished, keys)
@@ -131,13 +152,14 @@ def matrix_blocks(rep: Report) -> list[Block]:
     out.append(Para(f"Axes: {', '.join(f'`{a}`' for a in m.axes)}; columns: `{m.column_axis}`. "
                     f"{len(m.cells)} cells: {counts}. A cell shows its worst outcome and how many of its tests "
                     "had it; never-run cells are counted apart from failed ones."))
-    out.append(Chart("heatmap"))
     head = [*m.row_axes, *(f"{m.column_axis}={c}" for c in m.columns)]
-    out.append(_table(head, ([*row, *(m.cells[(row, c)].label if (row, c) in m.cells else "" for c in m.columns)]
-                             for row in m.rows)))
+    cells = _table(head, ([*row, *(m.cells[(row, c)].label if (row, c) in m.cells else "" for c in m.columns)]
+                          for row in m.rows))
+    out.append(Chart("heatmap", fallback=[cells]))
     out.append(Heading(3, "Outcomes per axis value"))
-    out.append(_table(["axis", "value", *COUNT_HEADERS],
-                      ([a, v, *Counts.of(g).row()] for a, v, g in m.per_axis_value())))
+    out.append(fold("Every axis value", _table(["axis", "value", *COUNT_HEADERS],
+                                               ([a, v, *Counts.of(g).row()] for a, v, g in m.per_axis_value())),
+                    limit=0))  # the heat map's data summed up: a second look, never in the way
     return out
 
 
@@ -154,7 +176,8 @@ def regression_blocks(rep: Report) -> list[Block]:
         tests = ", ".join(t.test_id for t in row.cases[:3]) + (" ..." if len(row.cases) > 3 else "")
         rows.append([Code(row.bug_id), row.description, "yes" if row.required else "no", detail, row.status,
                      Code(tests) if tests else "-"])
-    return out + [_table(["bug id", "description", "required", "tests", "status", "regression tests"], rows)]
+    return out + [fold("Every known bug", _table(["bug id", "description", "required", "tests", "status",
+                                                  "regression tests"], rows))]
 
 
 def failure_blocks(rep: Report) -> list[Block]:
@@ -174,16 +197,16 @@ def flaky_blocks(rep: Report) -> list[Block]:
                              "and every test of a `flaky/` launch script.")]
     if not rep.flaky:
         return out + [Para("None.")]
-    return out + [_table(["test", "run", "source", "outcome", "detail"],
-                         ([Code(c.test_id), c.run, "rerun" if c.gating else "flaky script", c.outcome,
-                           one_line_cause(c)] for c in rep.flaky))]
+    return out + [fold("Every flaky test", _table(["test", "run", "source", "outcome", "detail"],
+                                                  ([Code(c.test_id), c.run, "rerun" if c.gating else "flaky script",
+                                                    c.outcome, one_line_cause(c)] for c in rep.flaky)))]
 
 
 def skip_blocks(rep: Report) -> list[Block]:
     out: list[Block] = [Heading(2, "Skipped tests")]
     if not rep.skips:
         return out + [Para("None.")]
-    out.append(_table(["reason", "count"], ([g.reason, len(g.cases)] for g in rep.skips)))
+    out.append(fold("Every reason", _table(["reason", "count"], ([g.reason, len(g.cases)] for g in rep.skips))))
     listed = [c for g in rep.skips for c in g.cases]
     rows = [[Code(c.test_id), c.run, c.outcome, one_line_cause(c)] for c in listed[:MAX_LISTED]]
     blocks: list[Block] = [_table(["test", "run", "outcome", "reason"], rows)]
@@ -219,14 +242,15 @@ def mutant_blocks(rep: Report) -> list[Block]:
     rate = f"{100 * killed / len(muts):.0f} %" if muts else "-"
     return [Heading(2, "Mutation testing"),
             Para(f"Tier `{rep.mutants.get('tier', '?')}`: {killed} of {len(muts)} mutants killed ({rate})."),
-            _table(["mutant", "bug class", "status", "killed by", "reason"],
-                   ([Code(m.get("name", "?")), m.get("bug_class", ""), m.get("status", "?"),
-                     Code(", ".join(m.get("killed_by", [])[:3])) if m.get("killed_by") else "-", m.get("reason", "")]
-                    for m in muts))]
+            fold("Every mutant", _table(
+                ["mutant", "bug class", "status", "killed by", "reason"],
+                ([Code(m.get("name", "?")), m.get("bug_class", ""), m.get("status", "?"),
+                  Code(", ".join(m.get("killed_by", [])[:3])) if m.get("killed_by") else "-", m.get("reason", "")]
+                 for m in muts)))]
 
 
 def blocks(rep: Report) -> list[Block]:
-    """The whole report, in order."""
+    """The whole report, in order: verdict, changes, matrix, failures, then the rest."""
     return [*verdict_blocks(rep), *diff_blocks(rep.diff, rep.baseline_sources), *matrix_blocks(rep),
-            *regression_blocks(rep), *failure_blocks(rep), *flaky_blocks(rep), *skip_blocks(rep),
-            *slow_blocks(rep), *environment_blocks(rep), *mutant_blocks(rep)]
+            *failure_blocks(rep), *regression_blocks(rep), *flaky_blocks(rep), *skip_blocks(rep),
+            *suite_blocks(rep), *slow_blocks(rep), *environment_blocks(rep), *mutant_blocks(rep)]

@@ -9,6 +9,7 @@ a root ``<testsuites>`` (or a bare ``<testsuite>``) holding ``<testcase>`` eleme
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import pathlib
 import re
@@ -41,7 +42,10 @@ FAILING = frozenset({FAILED, ERROR})
 
 # pytest's default suite name; any other name (``-o junit_suite_name=...``) labels the run.
 DEFAULT_SUITE_NAME = "pytest"
+# pytest reports a module that failed or skipped at collection as classname "" and name
+# "<dirs>.<module stem>" with these messages (a skip's reason is in its text).
 COLLECTION_FAILURE = "collection failure"
+COLLECTION_SKIPPED = "collection skipped"
 
 # "rank 2", "rank2", "[rank 2]", "ranks 1, 3", "rank(s) [1, 3]"
 _RANK_IN_TEXT = re.compile(r"\branks?(?:\(s\))?[ _#:=-]?\s*\[?(\d+(?:\s*,\s*\d+)*)", re.IGNORECASE)
@@ -128,12 +132,18 @@ class TestCase:
         return "/".join(parts[:2]) or "."
 
     @property
+    def module_level(self) -> bool:
+        """A module that failed or was skipped as a whole at collection (no test of it ran)."""
+        return not self.classname and not self.nodeid and self.message in (COLLECTION_FAILURE, COLLECTION_SKIPPED)
+
+    @property
     def test_id(self) -> str:
-        """A pytest-style node id, e.g. ``tests/unit/test_x.py::TestA::test_b[p]``."""
+        """A pytest-style node id, e.g. ``tests/unit/test_x.py::TestA::test_b[p]``; a module's path
+        when the whole module failed or was skipped at collection."""
         if self.nodeid:
             return self.nodeid
         module, classes = _split_classname(self)
-        if self.message == COLLECTION_FAILURE and not classes:
+        if self.module_level:
             return module
         return "::".join([module, *classes, self.name])
 
@@ -199,9 +209,7 @@ def _split_classname(case: TestCase) -> tuple[str, list[str]]:
         file_parts = case.file.replace("\\", "/").removesuffix(".py").split("/")
         if parts[:len(file_parts)] == file_parts:
             return case.file.replace("\\", "/"), parts[len(file_parts):]
-    if case.message == COLLECTION_FAILURE:
-        # pytest writes a module's collection error as classname "" and name
-        # "<dirs>.<module stem>".
+    if case.module_level:
         return "/".join([*parts, *filter(None, case.name.split("."))]) + ".py", []
     split = len(parts)
     while split > 1 and parts[split - 1][:1].isupper():
@@ -245,7 +253,9 @@ def failing_ranks(case: TestCase) -> list[int]:
 def one_line_cause(case: TestCase, limit: int = 160) -> str:
     """A single line saying why a test failed or was skipped, for report tables."""
     candidates = []
-    if case.message and case.message != COLLECTION_FAILURE:
+    if case.message == COLLECTION_SKIPPED:
+        candidates.append(_collection_skip_reason(case.details))
+    elif case.message and case.message != COLLECTION_FAILURE:
         candidates.append(case.message)
     e_lines = [ln[1:].strip() for ln in case.details.splitlines() if ln.startswith("E ")]
     candidates.extend(e_lines[-1:])
@@ -256,6 +266,17 @@ def one_line_cause(case: TestCase, limit: int = 160) -> str:
             if line:
                 return line if len(line) <= limit else line[:limit - 3] + "..."
     return case.message or "(no message)"
+
+
+def _collection_skip_reason(details: str) -> str:
+    """The reason of a module skipped at collection: pytest writes ``repr((path, line, "Skipped: why"))``."""
+    try:
+        value = ast.literal_eval(details.strip())
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return ""
+    if isinstance(value, tuple) and value and isinstance(value[-1], str):
+        return value[-1].removeprefix("Skipped: ")
+    return ""
 
 
 class _PytestCase(junitparser.TestCase):

@@ -25,6 +25,7 @@ vertical-align:top;font-size:13px}th{background:#f3f3f3}code{font-size:12px;back
 h2{border-bottom:2px solid #ddd;padding-bottom:3px;margin-top:1.6em}.PASS{color:#2e7d32}.FAIL{color:#c62828}
 svg text{font-family:system-ui,sans-serif;font-size:12px}.legend span{display:inline-block;margin-right:12px}
 .legend i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:middle}
+details{margin:0.3em 0 1em}summary{cursor:pointer;color:#1f4e8c}
 """
 
 
@@ -40,7 +41,9 @@ def inline(text: str) -> str:
 
 
 def _cell(value: object) -> str:
-    return f"<code>{esc(value)}</code>" if isinstance(value, doc.Code) else esc(value)
+    if isinstance(value, doc.Code):
+        return f"<code>{esc(value)}</code>"
+    return inline(value) if isinstance(value, doc.Md) else esc(value)
 
 
 def table(t: doc.Table) -> str:
@@ -154,10 +157,10 @@ def render_blocks(blocks: list[doc.Block], rep: Report) -> list[str]:
         elif isinstance(block, doc.Details):
             out.append(f"<details><summary>{esc(block.summary)}</summary>"
                        + "".join(render_blocks(block.blocks, rep)) + "</details>")
-        elif isinstance(block, doc.Chart) and block.kind == "heatmap":
-            out += [legend(), heatmap(rep.matrix)]
-        elif isinstance(block, doc.Chart) and block.kind == "suite_bars":
-            out += [legend(), suite_bars(rep.by("suite"))]
+        elif isinstance(block, doc.Chart):
+            out += [legend(), heatmap(rep.matrix) if block.kind == "heatmap" else suite_bars(rep.by("suite"))]
+            if block.fallback:  # the same data as text, folded: the picture already shows it
+                out += render_blocks([doc.Details("The same as a table", block.fallback)], rep)
     return out
 
 

@@ -29,6 +29,8 @@ def render_blocks(blocks: list[doc.Block]) -> list[str]:
             lines += [f"- {item}" for item in block.items] + [""]
         elif isinstance(block, doc.Table):
             lines += table(block) + [""]
+        elif isinstance(block, doc.Chart):
+            lines += render_blocks(block.fallback)  # the picture is HTML-only; its data, flat
         elif isinstance(block, doc.Details):
             lines += [f"<details><summary>{block.summary}</summary>", ""]
             lines += render_blocks(block.blocks) + ["</details>", ""]
@@ -36,6 +38,6 @@ def render_blocks(blocks: list[doc.Block]) -> list[str]:
 
 
 def render(rep: Report) -> str:
-    """The Markdown page (charts are HTML-only; the matrix table carries the same cells)."""
+    """The Markdown page (charts are HTML-only; the matrix's table stands in for its heat map)."""
     lines = [f"# {rep.title}", "", *render_blocks(doc.blocks(rep))]
     return "\n".join(lines).rstrip() + "\n"

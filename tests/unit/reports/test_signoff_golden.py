@@ -37,9 +37,11 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 def test_sections_in_order(outputs) -> None:
     md = outputs["md"]
     headings = [line for line in md.splitlines() if line.startswith("## ")]
+    # A release manager's order: verdict, what changed, the matrix, the failures, then the rest.
     assert headings == ["## Verdict: FAIL", "## Changes since baseline", "## Configuration matrix",
-                        "## Known bugs and their regression tests", "## Failures by rank", "## Flaky tests",
-                        "## Skipped tests", "## Slowest tests and buckets", "## Environment", "## Mutation testing"]
+                        "## Failures by rank", "## Known bugs and their regression tests", "## Flaky tests",
+                        "## Skipped tests", "## Results per suite and file", "## Slowest tests and buckets",
+                        "## Environment", "## Mutation testing"]
     assert outputs["code"] == signoff.EXIT_FAIL
 
 
@@ -189,7 +191,26 @@ def test_html_is_self_contained_with_heat_map(outputs) -> None:
     failed_title = next(t for o, t in parser.cells if o == "failed")
     assert "tests/functional/test_parity.py::test_parity[cnn-no_shard]" in failed_title
     assert "mesh=dp2, outer=-, model=cnn, dtype=fp32, zero=no_shard" in failed_title
-    assert page.index("Verdict: FAIL") < page.index('class="heatmap"') < page.index("Known bugs")
+    order = ["Verdict: FAIL", "Changes since baseline", 'class="heatmap"', "Failures by rank", "Known bugs",
+             "Skipped tests", "Results per suite and file", 'class="suite-bars"', "Environment"]
+    assert [page.index(marker) for marker in order] == sorted(page.index(marker) for marker in order)
+
+
+def _folded(page: str, marker: str) -> bool:
+    """Whether ``marker`` lies inside a ``<details>`` element of ``page``."""
+    before = page[:page.index(marker)]
+    return before.count("<details>") > before.count("</details>")
+
+
+def test_html_folds_the_matrix_table_and_long_tables(outputs) -> None:
+    page = outputs["html"]
+    matrix = page.split("<h2>Configuration matrix</h2>", 1)[1].split("<h2>", 1)[0]
+    heatmap_end = matrix.index("</svg>")
+    # the heat map's cells are not repeated as an open table right after it: that table is folded
+    assert "<table>" in matrix[heatmap_end:] and _folded(matrix, "<th>zero=no_shard</th>")
+    assert _folded(page, "<th>axis</th>")  # outcomes per axis value: the heat map summed up
+    assert not _folded(page, 'class="heatmap"') and not _folded(page, "<th>failing ranks</th>")
+    assert not _folded(page, "<th>rule</th>")
 
 
 def test_summary_json_and_merged_junit(outputs) -> None:

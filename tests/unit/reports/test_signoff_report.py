@@ -269,6 +269,28 @@ def test_bare_testsuite_root_and_collection_error(tmp_path) -> None:
     assert one_line_cause(case) == "ImportError: no module x"
 
 
+def test_module_skipped_at_collection_is_attributed_to_its_file(tmp_path, capsys) -> None:
+    """pytest writes a module skipped as a whole (``pytest.importorskip`` or ``pytest.skip(...,
+    allow_module_level=True)``) as classname "" and the reason inside a tuple's repr (as pytest 9 does)."""
+    xml = tmp_path / "x.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="" name="tests.functional.test_te_only" time="0.000">'
+        '<skipped message="collection skipped">(\'/ci/tests/functional/test_te_only.py\', 2, "Skipped: could not '
+        "import 'transformer_engine': No module named 'transformer_engine'\")</skipped></testcase>"
+        '<testcase classname="tests.unit.test_a" name="test_b"/></testsuite></testsuites>')
+    (case, _) = read_junit([xml])
+    assert (case.test_id, case.module_path, case.suite) == (
+        "tests/functional/test_te_only.py", "tests/functional/test_te_only.py", "tests/functional")
+    assert one_line_cause(case) == "could not import 'transformer_engine': No module named 'transformer_engine'"
+    _, report, _ = run_main(["--junit", xml], capsys)
+    assert "<unknown>" not in report and "| . |" not in report
+    files = {r["file"]: r["skipped"] for r in table_rows(report, "### Per test file")}
+    assert files == {"tests/functional/test_te_only.py": "1", "tests/unit/test_a.py": "0"}
+    reasons = {r["reason"]: r["count"] for r in table_rows(report, "## Skipped tests")}
+    assert reasons == {"skipped: could not import 'transformer_engine': No module named 'transformer_engine'": "1"}
+
+
 def test_empty_run_fails(tmp_path, capsys) -> None:
     xml = tmp_path / "empty.xml"
     xml.write_text('<testsuites><testsuite name="pytest" tests="0"/></testsuites>')
