@@ -31,6 +31,7 @@ MARKER = "golden: a golden cell: a fixed-seed run compared with the reviewed per
 ENV_UPDATE = "HARNESS_GOLDEN_UPDATE"
 ENV_DIR = "HARNESS_GOLDEN_DIR"
 ENV_PLATFORM = "HARNESS_GOLDEN_PLATFORM"
+ENV_REVISION = "HARNESS_GIT_REVISION"  # the revision to record when the checkout has no (current) .git
 DEFAULT_DIR = "tests/golden"
 FORMAT = 1
 TINY = 1e-30  # denominators of relative drift (a golden value of exactly 0)
@@ -92,13 +93,17 @@ def versions() -> dict[str, str]:
     te = sys.modules.get("transformer_engine")
     if te is not None:
         out["transformer_engine"] = str(getattr(te, "__version__", "?"))
+    out["git"] = os.environ.get(ENV_REVISION) or _git_revision()
+    return out
+
+
+def _git_revision() -> str:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=os.path.dirname(os.path.abspath(__file__)))
-        out["git"] = rev.stdout.strip() or "unknown"
+        return rev.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
-        out["git"] = "unknown"
-    return out
+        return "unknown"
 
 
 @dataclass

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 import fsdp_impl
 from fsdp_impl.cuda_graph import capture_train_step
@@ -68,9 +67,12 @@ def test_recompute_cuda_graph_replay(strategy: int, pool: bool, dist_env: Any) -
 # Closed form, per block of RecomputeBlock without recompute (T tokens, compute dtype of b bytes):
 # norm0 saves its input x, proj its input norm0(x), norm its input h, fc1 its input norm(h), gelu
 # its input fc1(.) (T x H), fc2 its input gelu(.) (T x H): T(4D + 2H) elements (LayerNorm's fp32
-# mean/rstd, 2T floats, ignored). A block checkpointed whole keeps only its input x (T x D), and
-# the backward rematerialises one block at a time, so the peak drops by at least
-# (L - 1) * T * (3D + 2H) * b bytes.
+# mean/rstd, 2T floats, ignored). A block checkpointed whole keeps only its input x (T x D) from
+# the forward to its backward: S = L * T * (3D + 2H) * b bytes are not kept. The backward then
+# rematerialises one block at a time (T(4D + 2H) b) and its MLP backward holds two T x H
+# temporaries (the grads of gelu's output and input, 2 T H b) next to them, so the peak drops by
+# at least S - T(4D + 2H) b - 2 T H b. Measured on one H200 (bf16, D 1024, H 4096, L 8, T 8192):
+# 3070.2 -> 1905.5 MiB, a drop of 1164.7 MiB against a bound of 1088 MiB (S alone is 1408 MiB).
 MEM = dict(d=1024, hidden=4096, layers=8, batch=8, seq=1024)
 
 
@@ -109,7 +111,7 @@ def test_recompute_peak_memory_drops_by_the_saved_activations(dist_env: Any) -> 
     peak_none, losses_none = _peak_step_bytes("none", device)
     peak_wrap, losses_wrap = _peak_step_bytes("wrapper", device)
     tokens, d, h = MEM["batch"] * MEM["seq"], MEM["d"], MEM["hidden"]
-    saved = (MEM["layers"] - 1) * tokens * (3 * d + 2 * h) * 2
+    saved = (MEM["layers"] * tokens * (3 * d + 2 * h) - tokens * (4 * d + 2 * h) - 2 * tokens * h) * 2
     drop = peak_none - peak_wrap
     print(f"[recompute memory] peak without {peak_none / 2**20:.1f} MiB, with {peak_wrap / 2**20:.1f} MiB, "
           f"drop {drop / 2**20:.1f} MiB, closed form >= {saved / 2**20:.1f} MiB")
@@ -119,7 +121,12 @@ def test_recompute_peak_memory_drops_by_the_saved_activations(dist_env: Any) -> 
 
 # ---------------------------------------------------------------------- TransformerEngine FP8
 class TeBlock(nn.Module):
-    """A unit holding a ``te.LayerNormMLP``, recomputed inside the unit's forward when asked."""
+    """A unit holding a ``te.LayerNormMLP``, recomputed inside the unit's forward when asked,
+    through TE's own ``te.distributed.checkpoint``: the recompute runs in the backward, outside
+    ``te.autocast``, and TE's checkpoint restores the forward's FP8 state for it (with
+    ``torch.utils.checkpoint`` the recompute would quantise with no recipe, or the default one:
+    "A different number of tensors was saved", or a block-scaled weight against a delayed-scaling
+    input, measured on the H200 with TE 2.20.2)."""
 
     def __init__(self, recompute: bool) -> None:
         super().__init__()
@@ -129,7 +136,8 @@ class TeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute:
-            return x + checkpoint(self.mlp, x, use_reentrant=False)
+            import transformer_engine.pytorch as te
+            return x + te.distributed.checkpoint(self.mlp, x)
         return x + self.mlp(x)
 
 

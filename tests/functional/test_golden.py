@@ -67,13 +67,18 @@ def test_golden_world4(cell: Cell, dist_env: Any, golden: Any) -> None:
 @pytest.mark.parametrize("cell", [pytest.param(c, id=c.name) for c in GPU_CELLS])
 @_cell_axes()
 def test_golden_gpu(cell: Cell, dist_env: Any, golden: Any) -> None:
-    torch.use_deterministic_algorithms(True)
+    # TE cells run without torch's deterministic mode: under it TE 2.20.2 loads cuDNN's norm
+    # kernels, whose library failed to load on the H200 image ("libcudnn_heuristic.so.9: undefined
+    # symbol"); TE's own kernels are compared run against run instead (GPU_TOLERANCE).
+    deterministic = cell.model != "te"
+    torch.use_deterministic_algorithms(deterministic)
     try:
         series = run_cell(cell, dist_env.device)
     finally:
         torch.use_deterministic_algorithms(False)
     golden.check(cell.name, series, tolerance=GPU_TOLERANCE.get(cell.name, 0.0),
-                 note="one GPU, deterministic algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8")
+                 note=f"one GPU, deterministic algorithms {'on' if deterministic else 'off (TE)'}, "
+                      "CUBLAS_WORKSPACE_CONFIG=:4096:8")
 
 
 @pytest.mark.distributed(world_size=2)

@@ -148,14 +148,24 @@ def _param_checksum(model: nn.Module) -> float:
     return float(sum(p.full_tensor().double().pow(2).sum() for p in model.module.parameters()))
 
 
-def run_cell(cell: Cell, device: torch.device, lr_scale: float = 1.0) -> dict[str, list[float]]:
-    """Train ``cell`` for ``STEPS`` steps; the per-step series the golden file keeps.
-    ``lr_scale`` perturbs the learning rate (the golden tests' proof that a drift is caught)."""
-    with one_thread():
-        return _run(cell, device, lr_scale)
+@dataclass
+class CellRun:
+    """A wrapped cell being trained: what ``train_steps`` needs."""
+
+    cell: Cell
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    batch: Any
+    loss: Any
+    autocast: Any
+    slot: int
+    slots: int
+    device: torch.device
 
 
-def _run(cell: Cell, device: torch.device, lr_scale: float) -> dict[str, list[float]]:
+def start_cell(cell: Cell, device: torch.device, lr_scale: float = 1.0) -> CellRun:
+    """Build and wrap ``cell`` (``lr_scale`` perturbs the learning rate: the golden tests' proof
+    that a drift is caught)."""
     model, units, batch, loss = _build(cell, device)
     opt, opt_kwargs = _optimizer(cell, model.parameters())
     for group in opt.param_groups:
@@ -167,21 +177,29 @@ def _run(cell: Cell, device: torch.device, lr_scale: float) -> dict[str, list[fl
         kwargs.update(seed_kwargs(mesh, cell.outer))
         slot, slots = data_position(data_group(mesh, cell.outer))
     wrapped, opt = fsdp_impl.fully_shard(model, opt, **kwargs)
+    return CellRun(cell, wrapped, opt, batch, loss, _te_autocast(cell), slot, slots, device)
+
+
+def train_steps(run: CellRun, steps: range) -> dict[str, list[float]]:
+    """Train ``steps`` (the step numbers pick the data); the per-step series a golden file keeps."""
     series: dict[str, list[float]] = {"loss": [], "grad_norm": [], "param_checksum": []}
-    autocast = _te_autocast(cell)
-    for step in range(STEPS):
-        inputs, target = batch(step, slot, slots)
-        with autocast():
-            out = wrapped(*(x.to(device) for x in inputs))
-        value = loss(out, target.to(device))
+    for step in steps:
+        inputs, target = run.batch(step, run.slot, run.slots)
+        with run.autocast():
+            out = run.model(*(x.to(run.device) for x in inputs))
+        value = run.loss(out, target.to(run.device))
         value.backward()
         total = value.detach().float().clone()
         dist.all_reduce(total)
         series["loss"].append(total.item() / dist.get_world_size())
-        series["grad_norm"].append(float(fsdp_impl.clip_grad_norm(wrapped, CLIP)))
-        opt.step()
-        opt.zero_grad()
-        series["param_checksum"].append(_param_checksum(wrapped))
+        series["grad_norm"].append(float(fsdp_impl.clip_grad_norm(run.model, CLIP)))
+        run.opt.step()
+        run.opt.zero_grad()
+        series["param_checksum"].append(_param_checksum(run.model))
     return series
 
 
+def run_cell(cell: Cell, device: torch.device, lr_scale: float = 1.0) -> dict[str, list[float]]:
+    """Train ``cell`` for ``STEPS`` steps from its seed; the golden series."""
+    with one_thread():
+        return train_steps(start_cell(cell, device, lr_scale), range(STEPS))
