@@ -9,17 +9,30 @@ change is left alone: a module-scoped fixture may own it until its module ends);
 directory, torch's default dtype, default device, grad mode and current CUDA device. Not restorable
 in place: the default process group, when a test destroyed or replaced it; that is reported as
 ``restart`` so the controller starts the bucket afresh before the next test.
+
+Not the test's doing, so neither named nor restored (identity variables excepted): a variable last
+written while a module was being imported (a library configuring itself once on its first import
+inside a test, e.g. TransformerEngine's ``NVTE_CUDA_INCLUDE_DIR``; undoing it would break the library
+in later tests, and the import never runs again), and the library-internal variables in
+``LIBRARY_INTERNAL_VARS`` that a library sets at run time as a channel to its own native code.
 """
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Generator
+from types import FrameType
 from typing import Any
 
 import pytest
 
 IDENTITY_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                  "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+# Set by a library for itself outside an import (so the import rule does not see them), never by a test:
+LIBRARY_INTERNAL_VARS = frozenset({
+    "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",  # inductor, before loading each compiled module (codecache)
+})
+_IMPORT_MACHINERY = "<frozen importlib."
 
 
 def _is_identity(key: str) -> bool:
@@ -36,6 +49,53 @@ def _set_env(key: str, value: str | None) -> None:
         os.environ.pop(key, None)
     else:
         os.environ[key] = value
+
+
+def _importing(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside a module import (importlib's frames are on its stack)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_IMPORT_MACHINERY):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class EnvWrites:
+    """While installed, notes for each environment variable written through ``os.environ`` (set,
+    delete, and everything built on them: ``update``, ``pop``, ``setdefault``) whether its last write
+    happened during a module import. Patches ``os.environ``'s class, whose methods every thread uses."""
+
+    def __init__(self) -> None:
+        self.at_import: dict[str, bool] = {}
+        self._cls = type(os.environ)
+        self._originals: tuple[Any, Any] | None = None
+
+    def install(self) -> None:
+        setitem, delitem = self._cls.__setitem__, self._cls.__delitem__
+        self._originals = (setitem, delitem)
+        notes = self.at_import
+
+        def set_and_note(env: Any, key: Any, value: Any) -> None:
+            setitem(env, key, value)
+            if env is os.environ:
+                notes[key] = _importing(sys._getframe(1))
+
+        def del_and_note(env: Any, key: Any) -> None:
+            delitem(env, key)
+            if env is os.environ:
+                notes[key] = _importing(sys._getframe(1))
+
+        self._cls.__setitem__ = set_and_note  # type: ignore[method-assign]
+        self._cls.__delitem__ = del_and_note  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        if self._originals is not None:
+            self._cls.__setitem__, self._cls.__delitem__ = self._originals  # type: ignore[method-assign]
+            self._originals = None
+
+    def library_owned(self, key: str) -> bool:
+        """Set by a library for itself: last written during an import, or a known internal variable."""
+        return key in LIBRARY_INTERNAL_VARS or self.at_import.get(key, False)
 
 
 def _torch_state() -> dict[str, Any]:
@@ -76,12 +136,15 @@ class RankGuard:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, Any, Any]:
         before = dict(os.environ)
+        writes = EnvWrites()
+        writes.install()
         try:
             return (yield)
         finally:
+            writes.uninstall()
             after = dict(os.environ)
             self._call_changes = {k: (before.get(k), after.get(k)) for k in set(before) | set(after)
-                                  if before.get(k) != after.get(k)}
+                                  if before.get(k) != after.get(k) and not writes.library_owned(k)}
 
     def after_test(self) -> tuple[list[str], bool]:
         """Restore what can be restored; return (descriptions of every change, restart needed)."""

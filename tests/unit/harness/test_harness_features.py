@@ -95,6 +95,18 @@ def test_state_changed_by_a_test_is_restored_and_named(features_run: SampleRun):
     assert "HarnessStateWarning" in features_run.output and "test_changes_env_cwd_dtype changed" in features_run.output
 
 
+def test_library_variables_do_not_cry_wolf(features_run: SampleRun):
+    """A variable a library set for itself (at its first import inside the test, or inductor's
+    internal one) is neither named nor restored; the test's own change in the same test still is."""
+    cases = {name.rsplit("::", 1)[-1]: c for name, c in features_run.cases.items()}
+    names = ("test_library_sets_env_for_itself", "test_after_library")
+    assert {n: cases[n].outcome for n in names} == dict.fromkeys(names, "passed"), features_run.output[-3000:]
+    changed = cases["test_library_sets_env_for_itself"].prop("state_changed") or ""
+    assert "SAMPLE_LEAK_AFTER_IMPORT" in changed, changed
+    assert "SAMPLE_LIB_AT_IMPORT" not in changed and "_TORCHINDUCTOR" not in changed, changed
+    assert "SAMPLE_LIB_AT_IMPORT" not in features_run.output and "_TORCHINDUCTOR" not in features_run.output
+
+
 def test_force_cpu_env_names_the_reason(tmp_path):
     run = run_samples(tmp_path, "sample_requirements.py", env={"HARNESS_FORCE_CPU": "1"}, timeout=300)
     assert "CPU backend forced" in run.cases["test_needs_cuda"].message
