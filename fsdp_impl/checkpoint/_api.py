@@ -159,16 +159,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Any) -> dict | No
 
 def _open(path: Path) -> tuple[dict, Path, Any, dict]:
     """Manifest, data directory, DCP metadata and extra.pt, after every file was verified, with
-    one agreed error on all ranks. Rank 0 first restores a checkpoint that an interrupted
-    version-1 publish left beside ``path``."""
+    one agreed error on all ranks."""
     manifest, data = None, None
     error: Exception | None = None
-    if _comm.rank() == 0:
-        try:
-            _layout.recover_interrupted_v1(path, clean=False)
-        except OSError as e:
-            error = e
-    _comm.raise_if_any_failed(error, f"recovering checkpoint {path}", CheckpointCorruptedError)
     try:
         manifest = _files.read_manifest(path)
         data = _layout.data_dir(path, manifest)

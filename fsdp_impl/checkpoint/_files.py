@@ -21,8 +21,8 @@ MANIFEST_NAME = "manifest.json"
 EXTRA_NAME = "extra.pt"
 DCP_METADATA_NAME = ".metadata"
 FORMAT_NAME = "fsdp_impl.checkpoint"
-FORMAT_VERSION = 2  # 2: data in a directory the manifest names; 1: data next to the manifest
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 2  # data in a directory the manifest names (1, never released, kept it next to the manifest)
+READABLE_VERSIONS = (2,)
 
 _CHUNK = 1 << 20
 

@@ -9,10 +9,9 @@ Only then is the superseded data directory removed.
 
 Nothing else in ``path`` is touched: a user's notes or an ``eval/`` folder survive any number
 of saves. Leftovers of a save that died (a data directory no manifest names, a manifest temp
-file) match this module's own name patterns and are removed by the next save. Checkpoints of
-format version 1 (the files directly in ``path``) still load, and an interrupted version-1
-publish (``path`` gone, only ``path.tmp-*`` / ``path.old-*`` siblings) is recovered on the
-next load or save.
+file) match this module's own name patterns and are removed by the next save. Format version 1
+(the files directly in ``path``, published by renaming directories) was never released; its
+checkpoints are refused like any unknown version (``_files.read_manifest``).
 """
 
 from __future__ import annotations
@@ -48,8 +47,6 @@ def _is_own_leftover(name: str) -> bool:
 
 def data_dir(path: Path, manifest: dict[str, Any]) -> Path:
     """The directory holding the DCP files of the checkpoint whose manifest is ``manifest``."""
-    if manifest.get("version") == 1:
-        return path
     name = manifest.get("data")
     if not isinstance(name, str) or not is_data_dir_name(name):
         raise CheckpointCorruptedError(f"checkpoint file {path / MANIFEST_NAME} names no valid data "
@@ -102,7 +99,6 @@ def remove_leftovers(path: Path) -> None:
 def prepare(path: Path) -> Path:
     """Rank 0, before a save: recover/clean what an interrupted save left, create and return a
     fresh data directory inside ``path``."""
-    recover_interrupted_v1(path, clean=True)
     check_replaceable(path)
     path.mkdir(parents=True, exist_ok=True)
     remove_leftovers(path)
@@ -119,8 +115,7 @@ def publish_manifest(tmp: Path, manifest_path: Path) -> None:
 
 def commit(path: Path, new_data: Path, manifest: dict[str, Any]) -> None:
     """Make ``new_data`` the checkpoint at ``path``: one atomic replace of ``manifest.json``;
-    then remove what the previous manifest named (its data directory, or a version-1
-    checkpoint's files)."""
+    then remove the data directory the previous manifest named."""
     previous = _current_manifest(path)
     manifest = dict(manifest, data=new_data.name)
     fsync_dir(new_data)
@@ -138,11 +133,6 @@ def commit(path: Path, new_data: Path, manifest: dict[str, Any]) -> None:
 
 def _remove_superseded(path: Path, previous: dict[str, Any], live: str) -> None:
     """Delete exactly what the previous manifest named (never anything else in ``path``)."""
-    if previous.get("version") == 1:
-        for name in previous.get("files", {}):
-            if "/" not in name and name != MANIFEST_NAME:
-                (path / name).unlink(missing_ok=True)
-        return
     old = previous.get("data")
     if isinstance(old, str) and is_data_dir_name(old) and old != live:
         shutil.rmtree(path / old, ignore_errors=True)
@@ -152,32 +142,3 @@ def discard(data: Path | None) -> None:
     """Best-effort removal of an abandoned data directory (a failed save)."""
     if data is not None:
         shutil.rmtree(data, ignore_errors=True)
-
-
-def _v1_siblings(path: Path, kind: str) -> list[Path]:
-    """``path.<kind>-*`` directories left by a version-1 publish, complete ones (with a
-    manifest, which that format wrote last) first, newest first."""
-    if not path.parent.is_dir():
-        return []
-    pattern = re.compile(re.escape(f"{path.name}.{kind}-") + r"[0-9a-f]{12}")
-    found = [p for p in path.parent.iterdir() if pattern.fullmatch(p.name) and p.is_dir()]
-    return sorted(found, key=lambda p: (not (p / MANIFEST_NAME).is_file(), -p.stat().st_mtime))
-
-
-def recover_interrupted_v1(path: Path, clean: bool) -> Path | None:
-    """A version-1 publish renamed the old checkpoint to ``path.old-*`` and then the new one from
-    ``path.tmp-*`` to ``path``; dying in between left nothing at ``path``. Put the newest
-    complete one back (a finished ``tmp`` is newer than any ``old``); with ``clean``, also
-    delete the remaining siblings. Returns what was restored."""
-    restored = None
-    if not path.exists():
-        for candidate in _v1_siblings(path, "tmp") + _v1_siblings(path, "old"):
-            if (candidate / MANIFEST_NAME).is_file():
-                os.rename(candidate, path)
-                fsync_dir(path.parent)
-                restored = candidate
-                break
-    if clean:
-        for leftover in _v1_siblings(path, "tmp") + _v1_siblings(path, "old"):
-            shutil.rmtree(leftover, ignore_errors=True)
-    return restored

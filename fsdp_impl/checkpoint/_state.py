@@ -148,13 +148,12 @@ def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
 
 def _check_optimizer_class(saved: str, optimizer: torch.optim.Optimizer) -> None:
     """Another optimizer's state (Adam's moments into SGD) would load and then fail or
-    silently misbehave in ``step()``; refuse it here. Checkpoints of format 1 recorded the
-    class under its ``FSDP`` one-off name."""
+    silently misbehave in ``step()``; refuse it here."""
     current = optimizer_class_name(optimizer)
-    if saved not in (current, f"FSDP{current}"):
+    if saved != current:
         raise CheckpointMismatchError(
             f"checkpoint was saved with optimizer {saved} but is being loaded into {current}; their "
-            f"states differ: build a {saved.removeprefix('FSDP')} optimizer to resume from this checkpoint"
+            f"states differ: build a {saved} optimizer to resume from this checkpoint"
         )
 
 

@@ -22,7 +22,7 @@ import torch
 from _ckpt_unit_models import Trainer, make_trainer
 
 from fsdp_impl import checkpoint
-from fsdp_impl.checkpoint import CheckpointMismatchError
+from fsdp_impl.checkpoint import CheckpointCorruptedError, CheckpointMismatchError
 
 KILLED = 77
 CHILD_RAISED = 3
@@ -180,61 +180,18 @@ def test_killed_at_any_rename_leaves_old_or_new_checkpoint(tmp_path: Path) -> No
             break
 
 
-def _as_flat_v1(path: Path) -> None:
-    """Rewrite a checkpoint into the earlier format: data files next to a version-1 manifest."""
-    manifest = json.loads((path / "manifest.json").read_text())
-    data = path / manifest.pop("data")
-    for f in data.iterdir():
-        f.rename(path / f.name)
-    data.rmdir()
-    manifest["version"] = 1
-    manifest["optimizer"]["class"] = "FSDP" + manifest["optimizer"]["class"]  # how format 1 named it
-    (path / "manifest.json").write_text(json.dumps(manifest))
-
-
-def test_flat_v1_checkpoint_loads_and_is_replaced_without_touching_user_files(tmp_path: Path) -> None:
+def test_an_unreleased_version_1_checkpoint_is_refused_naming_the_versions(tmp_path: Path) -> None:
+    """Format 1 (data next to the manifest) was never released: such a manifest is refused before
+    anything is read, naming the version found and the one this code reads."""
     t = make_trainer(seed=0)
     path = tmp_path / "ck"
     checkpoint.save(path, t.model, t.optimizer, extra={"v": 1})
-    _as_flat_v1(path)
-    _add_user_files(path)
-    assert _load_extra(path) == {"v": 1}
-    checkpoint.save(path, t.model, t.optimizer, extra={"v": 2})
-    assert _own_entries(path) == sorted([checkpoint.data_dir(path).name, "manifest.json"])  # v1 files gone
-    _assert_user_files(path)
-    assert _load_extra(path) == {"v": 2}
-
-
-def _interrupted_v1_publish(tmp_path: Path) -> Path:
-    """What the flat format's publish left when killed between its two renames: the old
-    checkpoint renamed aside, the complete new one still under its temporary name."""
-    t = make_trainer(seed=0)
-    path = tmp_path / "ck"
-    for version, name in ((1, "ck.old-0123456789ab"), (2, "ck.tmp-ba9876543210")):
-        staging = tmp_path / "staging"
-        checkpoint.save(staging, t.model, t.optimizer, extra={"v": version})
-        _as_flat_v1(staging)
-        staging.rename(tmp_path / name)
-    (tmp_path / "ck.tmp-00000000cafe").mkdir()  # an incomplete temporary (no manifest)
-    return path
-
-
-def test_interrupted_v1_publish_is_recovered_on_load(tmp_path: Path) -> None:
-    path = _interrupted_v1_publish(tmp_path)
-    assert _load_extra(path) == {"v": 2}  # the finished new checkpoint, put in place
-    assert sorted(os.listdir(tmp_path)) == ["ck", "ck.old-0123456789ab", "ck.tmp-00000000cafe"]
-    t = make_trainer(seed=1)
-    checkpoint.save(path, t.model, t.optimizer, extra={"v": 3})
-    assert os.listdir(tmp_path) == ["ck"]  # the save removed the stale siblings
-
-
-def test_interrupted_v1_publish_is_recovered_on_save(tmp_path: Path) -> None:
-    path = _interrupted_v1_publish(tmp_path)
-    t = make_trainer(seed=1)
-    checkpoint.save(path, t.model, t.optimizer, extra={"v": 3})
-    assert os.listdir(tmp_path) == ["ck"]
-    assert _own_entries(path) == sorted([checkpoint.data_dir(path).name, "manifest.json"])
-    assert _load_extra(path) == {"v": 3}
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["version"] = 1
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    fresh = make_trainer(seed=1)
+    with pytest.raises(CheckpointCorruptedError, match=r"has format version 1; this code reads versions 2"):
+        checkpoint.load(path, fresh.model, fresh.optimizer)
 
 
 def _stepped(kind: str) -> Trainer:
