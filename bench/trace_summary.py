@@ -36,8 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 Interval = tuple[float, float]
-GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+# Chrome-trace categories, compared lower-cased. Kineto writes ``kernel``, ``gpu_memcpy``,
+# ``gpu_memset`` and ``cuda_runtime``/``cuda_driver`` (torch 2.x, ``libkineto/include/ActivityType.h``);
+# older exports wrote ``Kernel``, ``Memcpy``, ``Memset`` and ``Runtime``. Both are read.
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "memcpy", "memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver", "runtime")
+HOST_CATS = ("user_annotation",)
 COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "other_comm")
 STEP_PREFIX = "ProfilerStep#"
 DEFAULT_LABELS = ("Optimizer.step", "Optimizer.zero_grad", "FSDP::", "MegatronFSDP", "DDP", "nccl:", "gloo:")
@@ -80,9 +84,13 @@ def exposed(x: Sequence[Interval], cover: Sequence[Interval]) -> float:
 
 
 # ---------------------------------------------------------------- trace model
+def category(ev: dict) -> str:
+    return str(ev.get("cat", "")).lower()
+
+
 def gpu_class(ev: dict) -> str:
     """compute, copy, or a comm kind (from the kernel name, not from labels or streams)."""
-    if ev.get("cat") != "kernel":
+    if category(ev) != "kernel":
         return "copy"
     name = ev.get("name", "").lower().replace("_", "")
     if "nccl" not in name:
@@ -118,6 +126,7 @@ class Trace:
     steps: list[HostRange]  # ProfilerStep#N ranges, in time order
     labels: list[HostRange]  # other record_function ranges
     device: object = None
+    categories: dict[str, int] = field(default_factory=dict)  # complete events per category, for diagnosis
 
     def streams(self) -> list[str]:
         return sorted({e.stream for e in self.gpu})
@@ -130,9 +139,12 @@ def _events(doc: dict | list) -> list[dict]:
 def parse(doc: dict | list) -> Trace:
     """Pick rank 0's GPU (the device with the most kernels) and the host ranges of the trace."""
     events = [e for e in _events(doc) if e.get("ph") == "X"]
+    categories: dict[str, int] = {}
+    for e in events:
+        categories[str(e.get("cat"))] = categories.get(str(e.get("cat")), 0) + 1
     launches = {e["args"]["correlation"]: (float(e["ts"]), e.get("tid")) for e in events
-                if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
-    gpu_raw = [e for e in events if e.get("cat") in GPU_CATS]
+                if category(e) in LAUNCH_CATS and "correlation" in e.get("args", {})}
+    gpu_raw = [e for e in events if category(e) in GPU_CATS]
     counts: dict = {}
     for e in gpu_raw:
         dev = e.get("args", {}).get("device", e.get("pid"))
@@ -149,10 +161,10 @@ def parse(doc: dict | list) -> Trace:
                             gpu_class(e), e.get("name", ""), launch[0] if launch else None,
                             launch[1] if launch else None))
     host = [HostRange(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("tid"))
-            for e in events if e.get("cat") == "user_annotation"]
+            for e in events if category(e) in HOST_CATS]
     steps = sorted((h for h in host if h.name.startswith(STEP_PREFIX)), key=lambda h: h.start)
     labels = [h for h in host if not h.name.startswith(STEP_PREFIX)]
-    return Trace(sorted(gpu, key=lambda g: g.start), steps, labels, device)
+    return Trace(sorted(gpu, key=lambda g: g.start), steps, labels, device, categories)
 
 
 def load(path: Path) -> Trace:
@@ -162,7 +174,8 @@ def load(path: Path) -> Trace:
 
 
 def split_steps(trace: Trace) -> list[tuple[HostRange | None, list[GpuEvent]]]:
-    """GPU events per profiler step (by launch time; by start time without a launch)."""
+    """GPU events per profiler step (by launch time; by start time without a launch). Without
+    step ranges, or when no GPU event falls in one, all GPU events are one step ("all")."""
     if not trace.steps:
         return [(None, list(trace.gpu))] if trace.gpu else []
     starts = [s.start for s in trace.steps]
@@ -172,7 +185,16 @@ def split_steps(trace: Trace) -> list[tuple[HostRange | None, list[GpuEvent]]]:
         i = bisect.bisect_right(starts, t) - 1
         if i >= 0 and (ev.launch is None or t <= trace.steps[i].end):
             buckets[i].append(ev)
-    return [(s, b) for s, b in zip(trace.steps, buckets, strict=True) if b]
+    split = [(s, b) for s, b in zip(trace.steps, buckets, strict=True) if b]
+    return split or ([(None, list(trace.gpu))] if trace.gpu else [])
+
+
+def explain_empty(trace: Trace) -> str:
+    """Why a trace gives no step table: what it holds instead (event categories and counts)."""
+    if trace.gpu:
+        return f"{len(trace.gpu)} GPU events but none summarised"
+    seen = ", ".join(f"{c} {n}" for c, n in sorted(trace.categories.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
+    return f"no GPU events (complete events by category: {seen})"
 
 
 # ---------------------------------------------------------------- per-step numbers

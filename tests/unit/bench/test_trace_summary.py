@@ -204,3 +204,27 @@ def test_profile_drains_the_warm_up_step_before_recording(tmp_path, monkeypatch)
     trace.profile(env, lambda: calls.append("step"), tmp_path / "t.json", 2)
     assert calls == ["step", "sync", "step", "step", "sync"], calls
     assert (tmp_path / "t.json").stat().st_size > 0
+
+
+def test_legacy_category_names_are_read() -> None:
+    """Older exports name the categories ``Kernel``, ``Memcpy`` and ``Runtime``; they give the same
+    numbers as kineto's ``kernel``, ``gpu_memcpy`` and ``cuda_runtime``."""
+    b = TraceBuilder()
+    one_step(b)
+    legacy = {"kernel": "Kernel", "gpu_memcpy": "Memcpy", "cuda_runtime": "Runtime"}
+    doc = {"traceEvents": [dict(e, cat=legacy.get(e["cat"], e["cat"])) for e in b.events]}
+    [new], [old] = ts.summarise(ts.parse(b.doc())), ts.summarise(ts.parse(doc))
+    assert old.ms == pytest.approx(new.ms) and old.ms["copy"] == pytest.approx(0.002)
+
+
+def test_gpu_events_outside_every_step_still_give_a_table() -> None:
+    """GPU events whose launches are not in the trace and that start before the first step range
+    (a clock offset between host and device records) are summarised as one step, not dropped."""
+    b = TraceBuilder()
+    b.host("ProfilerStep#1", 5000, 5100)
+    b.gpu("sm90_gemm", 100, 130, 7, launch=None)
+    b.gpu(AG, 120, 140, 20, launch=None)
+    [step] = ts.summarise(ts.parse(b.doc()))
+    assert step.name == "all" and step.ms["step"] == pytest.approx(0.040)
+    assert step.ms["all_gather_exposed"] == pytest.approx(0.010)
+
