@@ -103,7 +103,7 @@ def _adamw(params) -> torch.optim.Optimizer:
 def _ours(strategy: str, hsdp: bool, module: nn.Module, env: Env):
     import fsdp_impl
 
-    kwargs: dict = {}
+    kwargs: dict = flat_mesh(env)
     if hsdp:
         mesh = _hsdp_mesh(env)
         kwargs = dict(device_mesh=mesh, dp_shard_dim="dp_shard", dp_outer_dim="dp_outer",
@@ -123,6 +123,14 @@ def _mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...], flat
     if flatten is not None:
         mesh[names]._flatten(flatten)
     return mesh
+
+
+def flat_mesh(env: Env) -> dict:
+    """``fully_shard`` arguments for a 1-D mesh over the world on the run's device. Passed
+    explicitly: the mesh ``fsdp_impl`` builds for ``device_mesh=None`` is CUDA whenever CUDA is
+    available and the backend is NCCL or fake, so a ``--device cpu --fake-world`` run on a GPU
+    node would shard a CPU model over a CUDA mesh and fail."""
+    return {"device_mesh": _mesh(env.device.type, (env.world,), ("dp_shard",)), "dp_shard_dim": "dp_shard"}
 
 
 def _hsdp_mesh(env: Env):
