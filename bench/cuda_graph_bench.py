@@ -1,7 +1,8 @@
 """Eager vs CUDA-graph replay step time of ours ZeRO-3, on a launch-bound model and on the bench GPT.
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    torchrun --standalone --nproc-per-node 2 bench/cuda_graph_bench.py --configs small,1.3b --md graph.md
+    torchrun --standalone --nproc-per-node 2 -m bench.cuda_graph_bench --configs small,1.3b --md graph.md
+    python -m bench.cuda_graph_bench --configs small,1.3b --md graph.md      # world 1
 
 Per config, fresh builds from the same init and data (seed 0):
 
@@ -18,7 +19,7 @@ Per config, fresh builds from the same init and data (seed 0):
 - ``fp8-eager``, ``fp8-eager-fused``, ``fp8-graph`` (not run by default; need TransformerEngine):
   ``eager``, ``eager-fused`` and ``graph`` with the block linears as ``te.Linear`` FP8 parameters
   (Float8CurrentScaling, ``keep_fp8_transpose_cache=True``, forward under ``te.autocast``), as
-  ``bench/fp8_bench.py`` builds them.
+  ``bench.fp8_bench`` builds them.
 
 Peak GiB: the most allocated during the timed steps (a captured graph's private pool counts),
 max over ranks and repetitions. ``--trace DIR`` also profiles 3 steps of each mode (``bench.trace_summary`` table in
@@ -41,13 +42,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
 import torch.nn.functional as F
 
-from bench import impls, runtime, trace
+from bench import cli, impls, runtime, trace
 from bench.gpt import GPT, Block, GPTConfig
 from bench.runtime import Env
 
@@ -107,7 +105,7 @@ def _build(cfg: GPTConfig, env: Env, mode: str):
     policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
     model, opt = fsdp_impl.fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params",
                                        mixed_precision_policy=policy, cuda_graph_mode=graph_mode,
-                                       keep_fp8_transpose_cache=fp8 is not None)
+                                       keep_fp8_transpose_cache=fp8 is not None, **impls.flat_mesh(env))
     return model, opt, autocast
 
 
@@ -219,48 +217,47 @@ def markdown(rows: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from bench.suite import csv_list
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", type=csv_list(list(CONFIGS)), default=["small", "1.3b"])
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = cli.parser(__doc__)
+    p.add_argument("--configs", type=cli.csv_list(list(CONFIGS)), default=["small", "1.3b"])
+    cli.add_step_flags(p, steps=10, micro_batch=False)  # each config has its micro-batch (CONFIGS)
     p.add_argument("--md", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None, help="directory for per-mode profiles and graph_trace.md")
-    p.add_argument("--modes", type=csv_list(list(MODES)), default=DEFAULT_MODES,
+    p.add_argument("--modes", type=cli.csv_list(list(MODES)), default=DEFAULT_MODES,
                    help="fp8-* modes (TE Float8CurrentScaling FP8 parameters) need TransformerEngine")
-    p.add_argument("--reps", type=int, default=1, help="repetitions; modes alternate inside each (median)")
-    args = p.parse_args(argv)
+    p.add_argument("--reps", type=cli.positive, default=1, help="repetitions; modes alternate inside each (median)")
+    return p.parse_args(argv)
+
+
+def _write(md: Path | None, text: str) -> None:
+    print(text, flush=True)
+    if md is not None:
+        md.write_text(text)
+
+
+def run(env: Env, args: argparse.Namespace, capture: Callable) -> None:
+    rows: list[dict] = []
+    for name, rep in ((n, r) for n in args.configs for r in range(1, args.reps + 1)):
+        try:
+            rows += run_config(env, name, capture, args.warmup, args.steps, args.trace, args.modes, rep)
+        except Exception as err:  # a capture failure: report it, try the next config
+            if env.rank == 0:
+                print(f"[graph] {name}: ERROR {type(err).__name__}: {err}", flush=True)
+            runtime.free_memory(env)
+    if env.rank == 0:
+        header = f"# CUDA-graph bench, world {env.world}, {runtime.device_name(env)}, ours ZeRO-3"
+        _write(args.md, markdown(rows, header) if rows else header + "\n\nNo config completed.\n")
+        if args.trace is not None:
+            write_trace_report(args.trace, args.configs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     capture, why = capture_api()
     if capture is None or not torch.cuda.is_available():
-        why = why or "needs CUDA"
-        text = f"# CUDA-graph bench\n\nSKIP: {why}; nothing measured.\n"
-        print(text, flush=True)
-        if args.md is not None:
-            args.md.write_text(text)
+        _write(args.md, f"# CUDA-graph bench\n\nSKIP: {why or 'needs CUDA'}; nothing measured.\n")
         return 0
-    env = runtime.init("cuda")
-    rows: list[dict] = []
-    try:
-        for name, rep in ((n, r) for n in args.configs for r in range(1, args.reps + 1)):
-            try:
-                rows += run_config(env, name, capture, args.warmup, args.steps, args.trace, args.modes, rep)
-            except Exception as err:  # a capture failure: report it, try the next config
-                if env.rank == 0:
-                    print(f"[graph] {name}: ERROR {type(err).__name__}: {err}", flush=True)
-                runtime.free_memory(env)
-        if env.rank == 0:
-            header = f"# CUDA-graph bench, world {env.world}, {runtime.device_name(env)}, ours ZeRO-3"
-            text = markdown(rows, header) if rows else header + "\n\nNo config completed.\n"
-            print(text, flush=True)
-            if args.md is not None:
-                args.md.write_text(text)
-            if args.trace is not None:
-                write_trace_report(args.trace, args.configs)
-    finally:
-        runtime.shutdown()
-    return 0
+    return cli.with_env("cuda", lambda env: run(env, args, capture))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """FP8 vs bf16 training of the bench GPT under our ZeRO-3, with FSDP2 bf16 in the same run.
 
-    source .te/install.sh                    # the GPU box: TransformerEngine (see shared/te)
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    torchrun --standalone --nproc-per-node 2 bench/fp8_bench.py            # ~2 min on 2 H200s
-    torchrun --standalone --nproc-per-node 2 bench/fp8_bench.py --sizes 2.7b --reps 3
+    python -m bench.fp8_bench --nproc-per-node 2                 # ~3 min on 2 H200s
+    python -m bench.fp8_bench --sizes 2.7b --reps 3                # world 1
 
-Runs ``bench/suite.py`` (one process group, implementations alternating inside each
-repetition, medians, peak memory, the same init and data) with these implementations added:
+The TE cells need TransformerEngine with its PyTorch extension, built for the installed torch and
+CUDA (``pip install --no-build-isolation 'transformer_engine[pytorch]'``, see TE's installation
+guide); without it they are skipped with the reason. Runs ``bench.suite`` (each cell in its own
+process, implementations alternating inside each repetition, medians, peak memory, the same init
+and data) with these implementations added:
 
 - ``ours-fp8-te-current`` / ``ours-fp8-te-delayed``: the bench GPT whose block linears (qkv,
   proj, fc1, fc2) are ``te.Linear`` built under ``te.quantized_model_init`` with
@@ -32,16 +33,12 @@ import contextlib
 import functools
 import os
 import sys
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from torch import nn
 
-from bench import impls, report, suite
+from bench import impls, report
 from bench.gpt import Block
 from bench.runtime import Env
 
@@ -99,26 +96,27 @@ def te_recipe(kind: str) -> Any:
     return {"current": r.Float8CurrentScaling, "delayed": r.DelayedScaling}[kind]()
 
 
-def _fsdp(module: nn.Module, keep_transpose: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _fsdp(module: nn.Module, env: Env, keep_transpose: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
     import fsdp_impl
     policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
     return fsdp_impl.fully_shard(module, torch.optim.AdamW(module.parameters(), lr=impls.LR),
                                  fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params",
-                                 mixed_precision_policy=policy, keep_fp8_transpose_cache=keep_transpose)
+                                 mixed_precision_policy=policy, keep_fp8_transpose_cache=keep_transpose,
+                                 **impls.flat_mesh(env))
 
 
 def _ours_te(kind: str, fp8_params: bool, keep: bool, module: nn.Module, env: Env
              ) -> tuple[nn.Module, torch.optim.Optimizer]:
     recipe = te_recipe(kind)
     te_linears(module, recipe, fp8_params)
-    model, opt = _fsdp(module, keep_transpose=keep)
+    model, opt = _fsdp(module, env, keep_transpose=keep)
     return TeAutocast(model, recipe), opt
 
 
 def _ours_native(module: nn.Module, env: Env) -> tuple[nn.Module, torch.optim.Optimizer]:
     from fsdp_impl.fp8 import CurrentScaling, convert_to_fp8
     convert_to_fp8(module, CurrentScaling(), module_filter=lambda name, m: name.startswith("blocks."), fp8_params=True)
-    return _fsdp(module, keep_transpose=True)
+    return _fsdp(module, env, keep_transpose=True)
 
 
 _FP8 = "ZeRO-3, bf16 module, fp32 main params + grads, units = blocks, block linears"
@@ -173,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in defaults.items():
         if flag not in given:
             argv += [flag, value]
+    from bench import suite
+
     args = suite.parse_args(argv)
     code = suite.main(argv)
     if os.environ.get("RANK", "0") == "0" and args.out.exists():

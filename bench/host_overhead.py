@@ -1,6 +1,6 @@
 """Host time the FSDP engine spends in its hooks per training step, on CPU (gloo, world size 1).
 
-    PYTHONPATH=. python bench/host_overhead.py [--layers 24] [--steps 20] [--strategy optim_grads_params]
+    python -m bench.host_overhead [--layers 24] [--steps 20] [--strategy optim_grads_params]
 
 A tiny GPT (hidden 64, so the math is cheap and the hooks dominate) wrapped with ``fully_shard``
 (bf16 module, fp32 main params and grads, units = blocks, as ``bench.impls`` ours-z3). Every engine
@@ -13,24 +13,20 @@ same machine.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make ``bench`` and ``fsdp_impl`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp_impl
+from bench import cli
 from bench.gpt import GPT, Block, GPTConfig
+from bench.runtime import Env
 
 ENTRY_POINTS = ("pre_forward", "post_forward", "pre_backward", "grad_ready", "finish_backward",
                 "zero_grad_buffers")
@@ -47,18 +43,19 @@ def _timed(fn: Callable[..., Any], totals: dict[str, float], name: str,
     return run
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = cli.parser(__doc__)
+    p.add_argument("--layers", type=cli.positive, default=24)
+    p.add_argument("--steps", type=cli.positive, default=20)
+    p.add_argument("--warmup", type=cli.positive, default=3)
     p.add_argument("--strategy", default="optim_grads_params")
     p.add_argument("--clock", choices=["wall", "thread"], default="wall")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def measure(env: Env, args: argparse.Namespace) -> None:
+    """Wrap the tiny GPT, time every hook entry point per step, print the table."""
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29631")
-    dist.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=256, hidden=64, layers=args.layers, heads=4, seq=32)
     module = GPT(cfg).to(torch.bfloat16)
@@ -91,8 +88,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {name} | {1e3 * statistics.median(per_step[name]):.2f} |")
     print(f"| all hooks | {1e3 * statistics.median(hooks):.2f} |")
     print(f"| whole step | {1e3 * statistics.median(per_step['step']):.2f} |")
-    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return cli.with_env("cpu", lambda env: measure(env, args))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,31 +1,26 @@
 """Where the host time of a training step goes: cProfile over a few steps of chosen implementations.
 
-    source .te/install.sh                      # FP8 cells need TransformerEngine
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    torchrun --standalone --nproc-per-node 1 bench/host_profile.py --impls ours-z3,ours-fp8-te-current
+    python -m bench.host_profile --impls ours-z3,ours-fp8-te-current     # FP8 TE cells need TransformerEngine
 
-A step is host-bound when the GPU waits for the launches; ``bench/trace.py`` shows the idle GPU
+A step is host-bound when the GPU waits for the launches; ``bench.trace`` shows the idle GPU
 time, this shows which Python functions fill it. Per implementation (``bench.impls`` plus the FP8
 cells of ``bench.fp8_bench``): ``--warmup`` steps, then ``--steps`` steps timed with a device
 sync after each (wall ms per step), then the same number of steps under ``cProfile`` (which
 slows Python, so compare functions with each other, not with the wall time), printed as the
-``--top`` functions by own time and by cumulative time (rank 0).
+``--top`` functions by own time and by cumulative time (rank 0). All implementations run in one
+process, one after the other; for throughput and memory use ``bench.suite``, which isolates them.
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
 import statistics
 import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import fp8_bench, impls, runtime
+from bench import cli, fp8_bench, impls, runtime
 from bench.runtime import Env
 
 
@@ -68,26 +63,19 @@ def run_one(env: Env, name: str, size: str, micro_batch: int, warmup: int, steps
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.suite import csv_list
-
     fp8_bench.register()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--impls", type=csv_list(list(impls.IMPLS)), default=["ours-z3", "ours-fp8-te-current"])
+    p = cli.parser(__doc__)
+    p.add_argument("--impls", type=cli.csv_list(list(impls.IMPLS)), default=["ours-z3", "ours-fp8-te-current"])
     p.add_argument("--size", choices=list(impls.SIZES), default="1.3b")
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=3)
+    cli.add_step_flags(p, steps=3)
     p.add_argument("--top", type=int, default=40, help="functions listed per table")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    cli.add_run_flags(p, fake_world=False)
     args = p.parse_args(argv)
-    runtime.load_te_first()
-    env = runtime.init(args.device)
-    try:
+
+    def body(env: Env) -> None:
         for name in args.impls:
             run_one(env, name, args.size, args.micro_batch, args.warmup, args.steps, args.top)
-    finally:
-        runtime.shutdown()
-    return 0
+    return cli.with_env(args.device, body)
 
 
 if __name__ == "__main__":

@@ -137,6 +137,19 @@ class MemoryReport:
     notes: list[str] = field(default_factory=list)
 
 
+def to_dict(rep: MemoryReport) -> dict:
+    """JSON-ready form (a profile child hands its report to the driver through a file)."""
+    return {"impl": rep.impl, "storages": [[c, d, b] for (c, d), b in rep.storages.items()],
+            "numbers": rep.numbers, "transient": rep.transient, "sites": [list(s) for s in rep.sites],
+            "freed_before_peak": rep.freed_before_peak, "notes": rep.notes}
+
+
+def from_dict(d: dict) -> MemoryReport:
+    return MemoryReport(d["impl"], {(c, t): b for c, t, b in d["storages"]}, dict(d["numbers"]),
+                        dict(d["transient"]), [(s, b) for s, b in d["sites"]], d["freed_before_peak"],
+                        list(d["notes"]))
+
+
 def _gib(b: int) -> str:
     return f"{b / GIB:.3f}"
 

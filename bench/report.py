@@ -127,9 +127,14 @@ def header(rows: list[dict]) -> str:
         return "# Benchmark suite"
     world = (f"fake world {meta['world']} (one process, collectives move nothing: the step without "
              f"communication)" if meta.get("fake") else f"world {meta['world']}")
-    return (f"# Benchmark suite: {world}, {meta['device']}, torch {meta['torch']}, "
-            f"{meta['steps']} timed steps after {meta['warmup']} warm-up, micro-batch {meta['micro_batch']}, "
-            f"{meta['date']}")
+    versions = meta.get("versions") or {}
+    extra = "".join(f", {label} {versions[key]}" for key, label in
+                    (("cuda", "CUDA"), ("transformer_engine", "TE"), ("megatron_fsdp", "megatron-fsdp"))
+                    if versions.get(key))
+    isolation = f", {meta['isolation']}" if meta.get("isolation") else ""
+    return (f"# Benchmark suite: {world}, {meta['device']}, torch {meta['torch']}{extra}, "
+            f"{meta['steps']} timed steps after {meta['warmup']} warm-up, micro-batch {meta['micro_batch']}"
+            f"{isolation}, {meta['date']}")
 
 
 def _setups(rows: list[dict]) -> list[str]:
@@ -154,7 +159,10 @@ def markdown(rows: list[dict]) -> str:
     parts += _loss_check(rows)
     leaks = [r for r in rows if r.get("kind") == "cell" and abs(r.get("leak_mib", 0.0)) > 64]
     if leaks:
-        parts += ["", "Memory not returned after a cell (MiB; later cells' numbers are relative to it):"]
+        isolated = any(r.get("kind") == "meta" and r.get("isolation") for r in rows)
+        parts += ["", "Memory the engine still held after its objects were deleted (MiB; " + (
+            "each cell runs in a process of its own, so no other cell sees it):" if isolated
+            else "later cells' numbers are relative to it):")]
         parts += [f"- {r['size']} {r['impl']} rep {r['rep']}: {r['leak_mib']:.0f}" for r in leaks]
     return "\n".join(parts) + "\n"
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -110,19 +109,23 @@ def init(device: str, timeout_s: int = 180, fake_world: int = 0) -> Env:
 
 
 def _init_group(dev: torch.device, timeout_s: int, fake_world: int) -> None:
-    """The default group: fake (``fake_world`` ranks, this one rank 0), else NCCL on CUDA, gloo on CPU."""
+    """The default group: fake (``fake_world`` ranks, this one rank 0), else NCCL on CUDA, gloo on CPU.
+
+    Outside torchrun the one-rank group uses an in-process store: no port to pick, so concurrent
+    bench processes on one machine never collide on a rendezvous port."""
     if fake_world:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=fake_world)
         return
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if dev.type == "cuda":  # device_id: NCCL communicators are made eagerly, outside any timed region
-        dist.init_process_group("nccl", timeout=timeout, device_id=dev)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    # device_id: NCCL communicators are made eagerly, outside any timed region
+    kwargs: dict = {"device_id": dev} if dev.type == "cuda" else {}
+    if "WORLD_SIZE" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
 
 
 def prime_libraries(env: Env) -> None:
@@ -165,17 +168,11 @@ def rank0_decides(env: Env, decision: bool) -> bool:
 
 
 def reset_te_fp8_state() -> None:
-    """Reset TransformerEngine's process-global FP8 state (a no-op until TE is imported).
+    """``fsdp_impl.fp8_te.reset_te_fp8_state`` (TE's process-global FP8 registry), imported when
+    called so that importing ``bench`` does not import the engine."""
+    from fsdp_impl.fp8_te import reset_te_fp8_state as reset
 
-    TE registers every delayed-scaling module's amax buffers there and, at each FP8 autocast exit
-    and first-module backward, all-reduces all of them (world size > 1), also those of models
-    built earlier in the process: a later model then pays extra all-reduces and keeps the old
-    buffers alive (TE 2.20.2, ``quantization.py``). Call it only when no TE model is in use."""
-    module = (sys.modules.get("transformer_engine.pytorch.quantization")
-              or sys.modules.get("transformer_engine.pytorch.fp8"))
-    manager = getattr(module, "FP8GlobalStateManager", None)
-    if manager is not None:
-        manager.reset()
+    reset()
 
 
 def free_memory(env: Env) -> None:

@@ -10,26 +10,21 @@ on a machine with one GPU only. What it measures holds where the transport does 
 collective counts and groups, losses, grads, errors, and *per-process* allocations (every rank's
 ``max_memory_allocated`` is its own). Never timing.
 
-    python bench/shared_gpu.py [--world 2] [--size 1.3b] [--impls ours-z3,fsdp2]
+    python -m bench.shared_gpu [--world 2] [--size 1.3b] [--impls ours-z3,fsdp2]
 
 prints ``bench.memory``'s breakdown of one step after two warm-up steps (rank 0), per impl, as
-``bench/trace.py`` does at a real world size. ``tests/tools/world2_on_one_gpu.py`` runs test
+``bench.trace`` does at a real world size. ``tests/tools/world2_on_one_gpu.py`` runs test
 functions the same way.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-if __package__ in (None, ""):  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 STAGED_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast")
 
@@ -98,7 +93,7 @@ def _measure(rank: int, world: int, port: int, size: str, names: list[str]) -> N
         runtime.free_memory(env)
         dist.barrier()
     if rank == 0:
-        print(f"# Memory, {size}, world {world} as ranks sharing one GPU (bench/shared_gpu.py)\n", flush=True)
+        print(f"# Memory, {size}, world {world} as ranks sharing one GPU (bench.shared_gpu)\n", flush=True)
         print(memory.markdown(reports), flush=True)
     dist.destroy_process_group()
 
@@ -106,13 +101,12 @@ def _measure(rank: int, world: int, port: int, size: str, names: list[str]) -> N
 def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
-    from bench import impls
-    from bench.suite import csv_list
+    from bench import cli, impls
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.parser(__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=2, help="ranks sharing the GPU (default 2)")
     p.add_argument("--size", choices=list(impls.SIZES), default="1.3b")
-    p.add_argument("--impls", type=csv_list(list(impls.IMPLS)), default=["ours-z3", "fsdp2"])
+    p.add_argument("--impls", type=cli.csv_list(list(impls.IMPLS)), default=["ours-z3", "fsdp2"])
     p.add_argument("--port", type=int, default=29631)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

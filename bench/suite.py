@@ -1,80 +1,62 @@
-"""Throughput and memory of every implementation, in ONE process group, with alternating repetitions.
+"""Throughput and memory of every implementation, each cell in a fresh process, with alternating repetitions.
 
-    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-    torchrun --standalone --nproc-per-node 2 bench/suite.py --sizes 1.3b --reps 3 --out suite.jsonl
+    python -m bench.suite --sizes 1.3b --reps 3 --out suite.jsonl                  # world 1
+    python -m bench.suite --nproc-per-node 2 --sizes 1.3b --reps 3 --out suite.jsonl
+    torchrun --standalone --nproc-per-node 2 -m bench.suite ...                     # the same (one node)
+    python -m bench.suite --fake-world 2 --sizes 1.3b                               # world 2, no communication
 
-Order: for each size, repetition 1 runs every implementation once (A B C ...), then repetition 2
-(A B C ...), and so on, so slow drifts (clocks, temperature, the neighbour's traffic) hit all
-implementations alike; the table shows the median over repetitions and its min–max.
+This process is the driver: it holds no GPU and no process group. For each size, repetition 1
+runs every implementation once (A B C ...), then repetition 2 (A B C ...), and so on, so slow
+drifts (clocks, temperature, the neighbour's traffic) hit all implementations alike; the table
+shows the median over repetitions and its min–max. Every (size, repetition, implementation) cell
+is its own process (``bench.cell``; a ``torchrun`` of it when the world has several ranks):
+alternation needs the implementations interleaved, and isolation needs no two engines alive in
+one process or at one time, so a repetition cannot share a process with the next one. The
+start-up (about 5-15 s per cell: interpreter, imports, process group) is outside the timed steps.
+The cell writes its JSON row to a file; a cell that crashes, runs out of memory or time becomes
+an ``error`` row with the reason and the run goes on.
 
-Each cell builds its model fresh (``bench.impls``), runs ``--warmup`` steps, then times ``--steps``
-steps with CUDA events (one synchronise at the end) and frees everything before the next cell.
-Memory is measured relative to what was allocated before the build: after build (params, grads
-buffers, no optimizer state yet: torch's AdamW allocates it lazily), at rest after the warm-up
-steps (optimizer state included, grads dropped by ``zero_grad``), and the peak during the timed
-steps (``peak_all_gib`` in the JSON also covers the warm-up). Every number is the max over ranks.
-
-``--time-budget-s`` stops starting cells that would not finish in time (estimated from the cells
-measured so far) and says which were skipped. ``--device cpu --sizes tiny`` runs the whole loop on
-CPU/gloo (smoke test; the numbers mean nothing there).
+``--time-budget-s`` starts no cell that would not finish in time (estimated from the cells
+measured so far, start-up included) and says which were skipped. ``--device cpu --sizes tiny``
+runs the whole loop on CPU/gloo (a smoke test; the numbers mean nothing there).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import statistics
 import sys
+import tempfile
 import time
-import traceback
+from collections.abc import Callable
 from pathlib import Path
 
+from bench import cli, impls, launch, report
+from bench.launch import World
+
 START = time.monotonic()
-
-if __package__ in (None, ""):  # run as a script: make ``bench`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import impls, report, runtime  # noqa: E402
-from bench.runtime import GIB, Env  # noqa: E402
-
-
-def csv_list(choices: list[str]):
-    def parse(text: str) -> list[str]:
-        items = [s.strip() for s in text.split(",") if s.strip()]
-        bad = [s for s in items if s not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"unknown {bad or 'empty list'}; allowed values: {','.join(choices)}")
-        return items
-    return parse
-
-
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+CELL_FLAGS = ("steps", "warmup", "micro_batch")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=csv_list(list(impls.SIZES)), default=["1.3b"],
+    p = cli.parser(__doc__)
+    p.add_argument("--sizes", type=cli.csv_list(list(impls.SIZES)), default=["1.3b"],
                    help="comma-separated model sizes, run in this order (default 1.3b)")
-    p.add_argument("--impls", type=csv_list(list(impls.IMPLS)), default=list(impls.DEFAULT_IMPLS),
+    p.add_argument("--impls", type=cli.csv_list(list(impls.IMPLS)), default=list(impls.DEFAULT_IMPLS),
                    help="comma-separated implementations, alternated in this order (default: all)")
-    p.add_argument("--reps", type=_positive, default=3, help="repetitions per cell (median reported)")
-    p.add_argument("--steps", type=_positive, default=8, help="timed steps per cell")
-    p.add_argument("--warmup", type=_positive, default=3, help="untimed steps per cell before timing")
-    p.add_argument("--micro-batch", type=_positive, default=4)
+    p.add_argument("--reps", type=cli.positive, default=3, help="repetitions per cell (median reported)")
+    cli.add_step_flags(p)
+    cli.add_run_flags(p)
+    p.add_argument("--nproc-per-node", type=cli.positive, default=None, metavar="N",
+                   help="ranks per cell (a torchrun of N per cell); default: torchrun's world, else 1")
     p.add_argument("--out", type=Path, default=Path("suite.jsonl"), help="JSON lines (overwritten)")
     p.add_argument("--md", type=Path, default=None, help="also write the markdown table here")
     p.add_argument("--time-budget-s", type=float, default=math.inf,
                    help="start no cell that would end later than this many seconds after start-up")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--fake-world", type=_positive, default=None, metavar="N",
-                   help="one process as rank 0 of N >= 2 whose collectives move nothing (torch's fake "
-                        "backend; no torchrun): each engine's step without communication at world N")
-    p.add_argument("--trace-impls", type=csv_list(list(impls.IMPLS)), default=[],
-                   help="after the cells, profile these impls (bench/trace.py) in the same process group")
+    p.add_argument("--cell-timeout-s", type=float, default=1200.0,
+                   help="a cell still running after this long is killed and recorded as an error")
+    p.add_argument("--trace-impls", type=cli.csv_list(list(impls.IMPLS)), default=[],
+                   help="after the cells, profile these impls (bench.trace), each in its own process")
     p.add_argument("--trace-size", choices=list(impls.SIZES), default="1.3b")
     p.add_argument("--trace-dir", type=Path, default=Path("."), help="where trace.md, timeline.png go")
     return p.parse_args(argv)
@@ -114,124 +96,91 @@ class Budget:
         return self.elapsed() + self.estimate(size, impl) <= self.limit_s
 
 
-def measure(env: Env, size: str, name: str, args: argparse.Namespace) -> dict:
-    """Build, warm up, time, free: one cell. Returns the JSON row (numbers already max over ranks)."""
-    cfg = impls.SIZES[size]
-    base = runtime.allocated(env)  # the previous cell freed its memory (its leak_mib says how well)
-    t0 = time.monotonic()
-    trainee = impls.build(name, cfg, env, args.micro_batch)
-    runtime.sync(env)
-    build_s = time.monotonic() - t0
-    after_build = runtime.allocated(env) - base
-    runtime.reset_peak(env)
-    losses = [float(trainee.step()) for _ in range(args.warmup)]
-    runtime.sync(env)
-    rest = runtime.allocated(env) - base
-    peak_warm = runtime.peak_allocated(env) - base
-    runtime.reset_peak(env)
-    timer = runtime.StepTimer(env)
-    timer.mark()
-    for _ in range(args.steps):
-        loss = trainee.step()
-        timer.mark()
-    step_s = timer.durations()
-    losses.append(float(loss))
-    peak = runtime.peak_allocated(env) - base
-    reserved = runtime.peak_reserved(env)
-    del trainee, loss
-    runtime.free_memory(env)
-    leak = runtime.allocated(env) - base
-    total = sum(step_s)
-    m = runtime.all_max(env, [total, max(step_s), -min(step_s), peak, max(peak, peak_warm), after_build,
-                              rest, reserved, leak, time.monotonic() - t0, build_s])
-    tokens = args.micro_batch * cfg.seq * args.steps
-    return {
-        "kind": "cell", "size": size, "impl": name, "world": env.world,
-        "tok_s_per_gpu": round(tokens / m[0], 1), "step_s": round(m[0] / args.steps, 5),
-        "step_s_max": round(m[1], 5), "step_s_min": round(-m[2], 5),
-        "step_s_median_rank": round(statistics.median(step_s), 5),
-        "peak_gib": round(m[3] / GIB, 3), "peak_all_gib": round(m[4] / GIB, 3),
-        "build_gib": round(m[5] / GIB, 3), "rest_gib": round(m[6] / GIB, 3),
-        "reserved_peak_gib": round(m[7] / GIB, 3), "leak_mib": round(m[8] / 2**20, 1),
-        "cell_s": round(m[9], 2), "build_s": round(m[10], 2),
-        "loss_first": losses[0], "loss_last": losses[-1],
-        "finite": all(math.isfinite(x) for x in losses),
-        "n_params": impls.num_params_of(cfg), "seq": cfg.seq, "micro_batch": args.micro_batch,
-        "steps": args.steps, "warmup": args.warmup,
-    }
-
-
 class Writer:
-    """Rank 0 writes JSON lines (flushed per row, so a crash keeps what was measured) and prints."""
+    """JSON lines, flushed per row (a killed driver keeps what was measured), and progress lines."""
 
-    def __init__(self, env: Env, path: Path) -> None:
-        self.env = env
+    def __init__(self, path: Path) -> None:
         self.rows: list[dict] = []
-        self.file = path.open("w") if env.rank == 0 else None
+        self.file = path.open("w")
 
     def write(self, row: dict) -> None:
         self.rows.append(row)
-        if self.file is not None:
-            self.file.write(json.dumps(row) + "\n")
-            self.file.flush()
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
 
     def say(self, text: str) -> None:
-        if self.env.rank == 0:
-            print(f"[suite {time.monotonic() - START:6.1f}s] {text}", flush=True)
+        print(f"[suite {time.monotonic() - START:6.1f}s] {text}", flush=True)
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
+        self.file.close()
 
 
-def _skip_reason(env: Env, size: str, name: str, args: argparse.Namespace, budget: Budget) -> str | None:
-    reason = impls.unavailable_reason(name, env.world, env.fake)
-    if reason is None and env.is_cuda:
-        need = impls.estimated_bytes(name, impls.SIZES[size], args.micro_batch, env.world)
-        if need > 0.92 * runtime.total_memory(env):
-            reason = f"would not fit: about {need / GIB:.0f} GiB needed"
-    if reason is None and not runtime.rank0_decides(env, budget.fits(size, name)):
+def skip_reason(name: str, size: str, world: World, info: dict, micro_batch: int, budget: Budget) -> str | None:
+    """Why this cell is not started (None: start it): unavailable here, too big, or out of time."""
+    reason = impls.unavailable_reason(name, world.size, bool(world.fake_world))
+    if reason is None and info.get("total_memory"):
+        need = impls.estimated_bytes(name, impls.SIZES[size], micro_batch, world.size)
+        if need > 0.92 * info["total_memory"]:
+            reason = f"would not fit: about {need / 2**30:.0f} GiB needed"
+    if reason is None and not budget.fits(size, name):
         reason = (f"time budget: {budget.elapsed():.0f}s elapsed + about {budget.estimate(size, name):.0f}s "
                   f"> {budget.limit_s:.0f}s")
     return reason
 
 
-def run_cells(env: Env, args: argparse.Namespace, out: Writer) -> None:
+def cell_row(done: launch.Finished, result: Path, size: str, name: str, rep: int) -> dict:
+    """The cell's own row when it wrote one, else an error row saying how its process ended."""
+    if result.exists():
+        return json.loads(result.read_text())
+    return {"kind": "error", "size": size, "impl": name, "rep": rep, "reason": f"cell process {done.why()}"}
+
+
+CellRunner = Callable[[str, str, int, Path], launch.Finished]
+
+
+def cell_runner(world: World, args: argparse.Namespace) -> CellRunner:
+    """Starts ``bench.cell`` for (size, impl, rep) writing to a result path, in ``world``."""
+    env = launch.child_env(world)
+
+    def start(size: str, name: str, rep: int, result: Path) -> launch.Finished:
+        argv = ["--impl", name, "--size", size, "--rep", str(rep), "--result", str(result),
+                *cli.forward(args, CELL_FLAGS)]
+        return launch.run(launch.command(world, "bench.cell", argv), env, args.cell_timeout_s,
+                          prefix=f"  [{size} {name} r{rep}] ")
+    return start
+
+
+def run_cells(args: argparse.Namespace, world: World, info: dict, out: Writer, start: CellRunner) -> None:
     budget = Budget(args.time_budget_s)
-    for size, rep, name in plan(args.sizes, args.impls, args.reps):
-        where = f"{size} {name} rep {rep}/{args.reps}"
-        reason = _skip_reason(env, size, name, args, budget)
-        if reason is not None:
-            out.write({"kind": "skip", "size": size, "impl": name, "rep": rep, "reason": reason})
-            out.say(f"{where}: skipped ({reason})")
-            continue
-        error = None
-        try:
-            row = measure(env, size, name, args)
-        except Exception as err:  # an OOM or an impl's own error: record it, keep going
-            error = f"{type(err).__name__}: {err}"
-            if env.rank == 0:
-                traceback.print_exc()
-        failed = runtime.all_max(env, [1.0 if error else 0.0])[0] > 0
-        if failed:
-            runtime.free_memory(env)
-            out.write({"kind": "error", "size": size, "impl": name, "rep": rep,
-                       "reason": error or "failed on another rank"})
-            out.say(f"{where}: ERROR {error or 'on another rank'}")
-            continue
-        row["rep"] = rep
-        budget.record(size, name, row["cell_s"])
-        out.write(row)
-        out.say(f"{where}: {row['tok_s_per_gpu']:,.0f} tok/s/GPU, step {1e3 * row['step_s']:.1f} ms, "
-                f"peak {row['peak_gib']:.2f} GiB, loss {row['loss_first']:.3f}->{row['loss_last']:.3f} "
-                f"(cell {row['cell_s']:.1f}s)")
+    with tempfile.TemporaryDirectory(prefix="bench-cells-") as tmp:
+        for i, (size, rep, name) in enumerate(plan(args.sizes, args.impls, args.reps)):
+            where = f"{size} {name} rep {rep}/{args.reps}"
+            reason = skip_reason(name, size, world, info, args.micro_batch, budget)
+            if reason is not None:
+                out.write({"kind": "skip", "size": size, "impl": name, "rep": rep, "reason": reason})
+                out.say(f"{where}: skipped ({reason})")
+                continue
+            result = Path(tmp) / f"cell{i}.json"
+            done = start(size, name, rep, result)
+            row = cell_row(done, result, size, name, rep)
+            row["process_s"] = round(done.seconds, 2)
+            budget.record(size, name, done.seconds)
+            out.write(row)
+            if row["kind"] != "cell":
+                out.say(f"{where}: ERROR {row['reason']}")
+                continue
+            out.say(f"{where}: {row['tok_s_per_gpu']:,.0f} tok/s/GPU, step {1e3 * row['step_s']:.1f} ms, "
+                    f"peak {row['peak_gib']:.2f} GiB, loss {row['loss_first']:.3f}->{row['loss_last']:.3f} "
+                    f"(cell {row['cell_s']:.1f}s, process {done.seconds:.1f}s)")
 
 
-def meta_row(env: Env, args: argparse.Namespace) -> dict:
-    import torch
+def budget_text(seconds: float) -> str:
+    return "none" if math.isinf(seconds) else f"{seconds:.0f}s"
 
-    return {"kind": "meta", "world": env.world, "fake": env.fake, "device": runtime.device_name(env),
-            "torch": torch.__version__,
+
+def meta_row(args: argparse.Namespace, world: World, info: dict) -> dict:
+    return {"kind": "meta", "world": world.size, "fake": bool(world.fake_world), "device": info["device"],
+            "torch": info["torch"], "versions": info, "isolation": "one process per cell",
             "sizes": args.sizes, "impls": args.impls, "reps": args.reps, "steps": args.steps,
             "warmup": args.warmup, "micro_batch": args.micro_batch, "setups": impls.setups(args.impls),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -239,25 +188,27 @@ def meta_row(env: Env, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    env = runtime.init(args.device, fake_world=args.fake_world or 0)
-    out = Writer(env, args.out)
-    out.write(meta_row(env, args))
-    out.say(f"world {env.world} on {runtime.device_name(env)}; {len(plan(args.sizes, args.impls, args.reps))} "
-            f"cells, budget {args.time_budget_s:.0f}s")
+    world = launch.driver_world(args.nproc_per_node, args.fake_world, args.device)
+    if world is None:
+        return 0  # a torchrun rank other than 0: rank 0 drives the cells
+    launch.stop_children_on_signal()
+    info = launch.probe(world.device)
+    out = Writer(args.out)
     try:
-        run_cells(env, args, out)
-        if env.rank == 0:
-            text = report.markdown(out.rows)
-            print(text, flush=True)
-            if args.md is not None:
-                args.md.write_text(text)
-        if args.trace_impls:
-            from bench import trace
-
-            trace.run(env, args.trace_size, args.trace_impls, args.trace_dir, args.micro_batch, say=out.say)
+        out.write(meta_row(args, world, info))
+        out.say(f"{world.describe()} on {info['device']}; {len(plan(args.sizes, args.impls, args.reps))} "
+                f"cells, each in its own process, budget {budget_text(args.time_budget_s)}")
+        run_cells(args, world, info, out, cell_runner(world, args))
+        text = report.markdown(out.rows)
+        print(text, flush=True)
+        if args.md is not None:
+            args.md.write_text(text)
     finally:
         out.close()
-        runtime.shutdown()
+    if args.trace_impls:
+        from bench import trace
+
+        trace.drive(world, args.trace_size, args.trace_impls, args.trace_dir, args.micro_batch, say=out.say)
     return 0
 
 

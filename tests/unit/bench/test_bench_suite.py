@@ -1,10 +1,10 @@
-"""bench.suite / bench.report: argument checks, cell order, the time budget, medians and targets, and a
-one-process CPU smoke run of the whole suite (tiny model, gloo) that also exercises the profile path."""
+"""bench.suite / bench.report: argument checks, cell order, the time budget, medians and targets, and
+CPU smoke runs of the whole suite (tiny model, gloo, each cell a process of its own) that also
+exercise the profile path."""
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,9 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from bench import impls, report, suite
+from bench import impls, launch, report, suite
 
 REPO = Path(__file__).resolve().parents[3]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This environment without torchrun's variables (as a user's shell), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in launch.TORCHRUN_VARS}
+    return dict(env, PYTHONPATH=str(REPO), **extra)
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_defaults_and_csv_lists() -> None:
@@ -104,58 +114,67 @@ def test_fit_estimate_skips_unsharded_7b_but_not_sharded() -> None:
     assert impls.estimated_bytes("ours-z3", cfg, 4, 2) < 0.92 * h200
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cpu_smoke_run_of_the_whole_suite(tmp_path) -> None:
-    """World 1, gloo: every impl that can run on one CPU rank builds, trains and is freed; the first
-    losses agree across impls (same init and data); the profile path writes its report."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", PYTHONPATH=str(REPO), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1")
+    """World 1, gloo: every impl that can run on one CPU rank builds, trains and is freed, each cell
+    in a fresh process (one pid per cell, none the driver's); the first losses agree across impls
+    (same init and data); the profile path writes its report."""
     out = tmp_path / "s.jsonl"
-    cmd = [sys.executable, str(REPO / "bench" / "suite.py"), "--device", "cpu", "--sizes", "tiny",
+    cmd = [sys.executable, "-m", "bench.suite", "--device", "cpu", "--sizes", "tiny",
            "--impls", "ours-z3,ours-hsdp,fsdp2,ceiling", "--reps", "2", "--steps", "1", "--warmup", "1",
            "--out", str(out), "--md", str(tmp_path / "s.md"), "--trace-impls", "ours-z3",
            "--trace-size", "tiny", "--trace-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rows[0]["kind"] == "meta" and rows[0]["world"] == 1
+    rows = _rows(out)
+    assert rows[0]["kind"] == "meta" and rows[0]["world"] == 1 and rows[0]["isolation"] == "one process per cell"
     cells = [(r["rep"], r["impl"]) for r in rows if r["kind"] == "cell"]
     assert cells == [(rep, i) for rep in (1, 2) for i in ("ours-z3", "fsdp2", "ceiling")]
+    pids = [r["pid"] for r in rows if r["kind"] == "cell"]
+    assert len(set(pids)) == len(pids) == 6, pids
     skips = [r for r in rows if r["kind"] == "skip"]
     assert [s["impl"] for s in skips] == ["ours-hsdp", "ours-hsdp"] and "needs world >= 2" in skips[0]["reason"]
     assert all(r["finite"] and r["tok_s_per_gpu"] > 0 for r in rows if r["kind"] == "cell")
     md = (tmp_path / "s.md").read_text()
     assert "Loss check FAILED" not in md, md
-    assert "ours-z3" in (tmp_path / "trace.md").read_text()
+    trace_md = (tmp_path / "trace.md").read_text()
+    assert "ours-z3: no GPU events (complete events by category: cpu_op" in trace_md, trace_md
     assert (tmp_path / "trace_ours-z3.json.gz").stat().st_size > 0
 
 
 def test_cpu_fake_world_run(tmp_path) -> None:
     """``--fake-world 2``: one process acts as rank 0 of 2 (no torchrun); the engines shard for world 2
     and train with collectives that move nothing; DDP is refused with the reason; the report says so."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(REPO), NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1")
     out = tmp_path / "f.jsonl"
-    cmd = [sys.executable, str(REPO / "bench" / "suite.py"), "--device", "cpu", "--fake-world", "2",
+    cmd = [sys.executable, "-m", "bench.suite", "--device", "cpu", "--fake-world", "2",
            "--sizes", "tiny", "--impls", "ours-z3,fsdp2,ddp", "--reps", "1", "--steps", "1", "--warmup", "1",
            "--out", str(out), "--md", str(tmp_path / "f.md")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = _rows(out)
     assert rows[0]["kind"] == "meta" and rows[0]["world"] == 2 and rows[0]["fake"] is True
-    assert [r["impl"] for r in rows if r["kind"] == "cell"] == ["ours-z3", "fsdp2"]
+    assert [r["impl"] for r in rows if r["kind"] == "cell"] == ["ours-z3", "fsdp2"], rows
     assert [r["world"] for r in rows if r["kind"] == "cell"] == [2, 2]
     skips = [r for r in rows if r["kind"] == "skip"]
     assert [s["impl"] for s in skips] == ["ddp"] and "fake process group" in skips[0]["reason"]
     md = (tmp_path / "f.md").read_text()
     assert "fake world 2" in md and "Fake world: the verdicts compare" in md
-    under_torchrun = subprocess.run(cmd, env=dict(env, WORLD_SIZE="2", RANK="0"), capture_output=True,
+    under_torchrun = subprocess.run(cmd, cwd=REPO, env=_env(WORLD_SIZE="2", RANK="0"), capture_output=True,
                                     text=True, timeout=120)
     assert under_torchrun.returncode != 0 and "without torchrun" in under_torchrun.stderr
+
+
+def test_world2_cells_under_a_torchrun_driver(tmp_path) -> None:
+    """The driver started by torchrun (2 ranks, gloo): rank 0 starts every cell as a fresh 2-rank
+    torchrun (the outer ranks' variables do not leak into it), rank 1 has nothing to do; HSDP,
+    which needs two ranks, runs."""
+    out = tmp_path / "w2.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "bench.suite", "--device", "cpu", "--sizes", "tiny", "--impls", "ours-z3,ours-hsdp",
+           "--reps", "1", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _rows(out)
+    assert rows[0]["world"] == 2 and not rows[0]["fake"]
+    cells = [r for r in rows if r["kind"] == "cell"]
+    assert [(r["impl"], r["world"]) for r in cells] == [("ours-z3", 2), ("ours-hsdp", 2)], rows
+    assert all(r["finite"] for r in cells)

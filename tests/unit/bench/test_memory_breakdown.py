@@ -101,3 +101,12 @@ def test_markdown_lists_every_category() -> None:
     assert f"| at peak, allocated in the step: {mem.GATHERED} | 0.500 | – |" in text
     assert "- ours-z3: a note" in text
     assert "| end of backward − tensors above (held elsewhere: unsharded params, engine buffers) | 1.500 | – |" in text
+
+
+def test_report_survives_json() -> None:
+    """A profile child hands its report to the driver as JSON: every field comes back equal."""
+    import json
+
+    rep = mem.MemoryReport("ours-z3", {("params", "float32"): 40, ("grads", "bfloat16"): 8}, {"rest": 7, "peak": 9},
+                           {mem.GATHERED: 5}, [("unit.py:unshard", 5)], 3, ["a note"])
+    assert mem.from_dict(json.loads(json.dumps(mem.to_dict(rep)))) == rep

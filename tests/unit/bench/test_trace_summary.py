@@ -228,3 +228,19 @@ def test_gpu_events_outside_every_step_still_give_a_table() -> None:
     assert step.name == "all" and step.ms["step"] == pytest.approx(0.040)
     assert step.ms["all_gather_exposed"] == pytest.approx(0.010)
 
+
+def test_report_says_why_there_is_no_table(tmp_path) -> None:
+    """A profile that failed (an OOM) is named with its error, and a trace without GPU events says
+    what it holds instead, never that the run was a CPU run."""
+    from bench import trace
+
+    b = TraceBuilder()
+    b.host("ProfilerStep#1", 0, 100)
+    b.events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 1, "dur": 2})
+    path = tmp_path / "trace_fsdp2.json"
+    path.write_text(json.dumps(b.doc()))
+    md = trace.write_report(tmp_path, "# h", {"fsdp2": path}, [],
+                            {"ours-z3": "ERROR OutOfMemoryError: CUDA out of memory"})
+    assert "- ours-z3: ERROR OutOfMemoryError: CUDA out of memory" in md
+    assert "- fsdp2: no GPU events (complete events by category: cpu_op 1, user_annotation 1)" in md
+    assert "CPU run" not in md
