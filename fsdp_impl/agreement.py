@@ -113,6 +113,7 @@ def agreement_items(module: nn.Module, mesh: DeviceMesh, classes: tuple[type, ..
         ("mixed_precision_policy", repr(config.mixed_precision_policy)),
         ("flags", dict(sorted(config.switches().items()))),
         ("unshard storage", repr(config.unshard)),
+        ("offload_policy", repr(config.offload_policy)),
         ("device type", device.type),
         ("device_mesh", (mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names)),
         ("(mesh, dp_shard_dim, dp_outer given, hybrid_fsdp_group size)", mesh_of(dims)),

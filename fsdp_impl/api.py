@@ -22,6 +22,8 @@ from .discovery import UnitSpec, resolve_unit_classes
 from .engine import FSDPEngine
 from .graph_mode import check_optimizer_capturable
 from .module import FullyShardedModule
+from .offload import OffloadPolicy
+from .offload_optim import check_offload_optimizer
 from .optimizer_binding import ENGINE_REF_ATTR, attach_engines, param_mapping, remap_optimizer_params
 from .policy import MixedPrecisionPolicy, ShardingStrategy, parse_strategy
 
@@ -71,11 +73,15 @@ def fully_shard_model(
     use_decoupled_grad: bool = False,
     cuda_graph_mode: bool = False,
     maxpool_double_buffer: bool = False,
+    *,
+    offload_policy: OffloadPolicy | None = None,
 ) -> FullyShardedModule:
     """Shard ``module``'s params over the dp-shard mesh dim and return the wrapper module.
 
-    The arguments, their order and defaults are Megatron-FSDP 0.6.1's; what each switch does
-    here is described in ``fsdp_impl.config`` and ``fsdp_impl/README.md``."""
+    The positional arguments, their order and defaults are Megatron-FSDP 0.6.1's; what each switch
+    does here is described in ``fsdp_impl.config`` and ``fsdp_impl/README.md``. Keyword-only
+    extension: ``offload_policy`` (``fsdp_impl.OffloadPolicy``: optimizer state, main params and
+    grads in host memory, the step on the CPU or streamed through the GPU)."""
     config = FSDPConfig(
         strategy=parse_strategy(zero_dp_strategy),
         outer_strategy=parse_strategy(outer_dp_sharding_strategy, "outer_dp_sharding_strategy",
@@ -90,7 +96,8 @@ def fully_shard_model(
         fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
         disable_symmetric_registration=disable_symmetric_registration,
         enable_fine_grained_param_gather=enable_fine_grained_param_gather, use_decoupled_grad=use_decoupled_grad,
-        cuda_graph_mode=cuda_graph_mode, maxpool_double_buffer=maxpool_double_buffer)
+        cuda_graph_mode=cuda_graph_mode, maxpool_double_buffer=maxpool_double_buffer,
+        offload_policy=offload_policy)
     mesh_args = MeshArgs(device_mesh=device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim, tp_dim=tp_dim,
                          hybrid_fsdp_group=hybrid_fsdp_group, hybrid_fsdp_expt_group=hybrid_fsdp_expt_group,
                          expt_device_mesh=expt_device_mesh, fsdp_group_ag=fsdp_group_ag,
@@ -133,9 +140,12 @@ def fully_shard(
     use_decoupled_grad: bool = False,
     cuda_graph_mode: bool = False,
     maxpool_double_buffer: bool = False,
+    *,
+    offload_policy: OffloadPolicy | None = None,
 ) -> tuple[FullyShardedModule, torch.optim.Optimizer]:
     """``fully_shard_model`` + point ``optimizer``'s param groups at the shards and
-    ``fully_shard_optimizer`` (the other arguments are ``fully_shard_model``'s)."""
+    ``fully_shard_optimizer`` (the other arguments, ``offload_policy`` included, are
+    ``fully_shard_model``'s)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(module, nn.Module):
@@ -151,6 +161,7 @@ def fully_shard(
     check_decoupled_grad_consistency(use_decoupled_grad, optimizer)
     if cuda_graph_mode is True:
         check_optimizer_capturable(optimizer)
+    check_offload_optimizer(offload_policy, optimizer)
     model = fully_shard_model(
         module, device_mesh=device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim, tp_dim=tp_dim,
         hybrid_fsdp_group=hybrid_fsdp_group, hybrid_fsdp_expt_group=hybrid_fsdp_expt_group,
@@ -167,7 +178,8 @@ def fully_shard(
         fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
         disable_symmetric_registration=disable_symmetric_registration,
         enable_fine_grained_param_gather=enable_fine_grained_param_gather, use_decoupled_grad=use_decoupled_grad,
-        cuda_graph_mode=cuda_graph_mode, maxpool_double_buffer=maxpool_double_buffer)
+        cuda_graph_mode=cuda_graph_mode, maxpool_double_buffer=maxpool_double_buffer,
+        offload_policy=offload_policy)
     remap_optimizer_params(optimizer, param_mapping(model))
     return model, fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt)
 

@@ -32,6 +32,7 @@ from .hooks import register_hooks
 from .mesh import DistIndex, build_mesh
 from .meta_init import materialise, sync_rng_from_rank0
 from .module import FullyShardedModule
+from .offload import ModelOffload, check_offload
 from .optimizer_binding import ENGINE_REF_ATTR
 from .parallel_dims import ParallelDims, attach_tp_specs, check_gather_group, resolve_parallel_dims
 from .param import ManagedParam
@@ -84,7 +85,7 @@ def make_context(groups: GroupSet, config: FSDPConfig, device: torch.device, str
                        gather_group=groups.gather_group, prefetch=config.overlap_param_gather,
                        graph_mode=config.cuda_graph_mode, unshard=config.unshard,
                        fp8_setup=functools.partial(unit_fp8, keep_transpose=config.keep_fp8_transpose_cache),
-                       fine_grained=config.enable_fine_grained_param_gather)
+                       fine_grained=config.enable_fine_grained_param_gather, offload=config.offload_policy)
 
 
 @dataclass
@@ -194,6 +195,7 @@ def wrap_model(module: nn.Module, config: FSDPConfig, classes: tuple[type[nn.Mod
                                   "weights over a separate expert group is not supported; pass "
                                   "expt_device_mesh=None, or build the model without FP8 parameters")
     resolved_device = resolve_device(device, mesh)
+    check_offload(config.offload_policy, resolved_device, config.cuda_graph_mode, module)
     check_gather_group(m.fsdp_group_ag, dims, "fsdp_group_ag")
     if expert_dims is not None:
         check_gather_group(m.expt_fsdp_group_ag, expert_dims, "expt_fsdp_group_ag")
@@ -229,6 +231,8 @@ def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], config: F
     # FP8 weights requantised over the shard group; delayed-scaling amaxes over every dp rank
     fp8 = model_fp8(module, units, ctx.group, ordinary.dims.hybrid_group or ctx.group)
     engine = FSDPEngine(units, units[-1], ctx, config, reducer, fp8)
+    if config.offload_policy is not None:
+        engine.offload = ModelOffload(config.offload_policy, device)
     handles = register_hooks(engine, modules)
     buffer = ParamAndGradBuffer([u.group for u in units], config.use_decoupled_grad)
     wrapper = FullyShardedModule(module, engine, buffer, _dist_index(ordinary, experts), handles)

@@ -23,6 +23,8 @@ arguments any other way (the PyTorch FSDP2 policies and Megatron-FSDP's
   is entered, and a submodule recomputed on its own inside the backward finds its params.
 * ``nccl_ub`` (NCCL user-buffer registration): not implemented; ``True`` raises naming what is
   missing. ``disable_symmetric_registration`` only modifies ``nccl_ub``'s registration.
+* ``offload_policy`` (keyword-only, after Megatron-FSDP's arguments): CPU offload
+  (``fsdp_impl.offload.OffloadPolicy``); ``None`` keeps everything on the device.
 * ``init_model_with_meta_device``, ``sync_model_each_microbatch``, ``report_nan_in_param_grad``,
   ``keep_fp8_transpose_cache``, ``use_decoupled_grad``, ``cuda_graph_mode``: as Megatron-FSDP
   documents them (``fsdp_impl/README.md``).
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field, fields
 
 import torch.distributed as dist
 
+from .offload import OffloadPolicy
 from .policy import MixedPrecisionPolicy, ShardingStrategy
 from .unshard_storage import UnshardStorage
 
@@ -64,6 +67,7 @@ class FSDPConfig:
     use_decoupled_grad: bool = False
     cuda_graph_mode: bool = False
     maxpool_double_buffer: bool = False
+    offload_policy: OffloadPolicy | None = None  # keyword-only extension (fsdp_impl.offload)
     # Where ZeRO-3 compute params live while unsharded: derived from the double-buffer switches;
     # ``with_unshard`` puts the resolved kind (graph mode, the mesh's device) in its place.
     unshard: UnshardStorage = field(init=False)
@@ -72,6 +76,8 @@ class FSDPConfig:
         if not isinstance(self.mixed_precision_policy, MixedPrecisionPolicy):
             raise TypeError(f"mixed_precision_policy must be a fsdp_impl.MixedPrecisionPolicy, "
                             f"got {self.mixed_precision_policy!r}")
+        if self.offload_policy is not None and not isinstance(self.offload_policy, OffloadPolicy):
+            raise TypeError(f"offload_policy must be a fsdp_impl.OffloadPolicy or None, got {self.offload_policy!r}")
         for name in BOOL_SWITCHES:
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -103,4 +109,5 @@ class FSDPConfig:
 
 
 BOOL_SWITCHES = tuple(f.name for f in fields(FSDPConfig)
-                      if f.name not in ("strategy", "outer_strategy", "mixed_precision_policy", "unshard"))
+                      if f.name not in ("strategy", "outer_strategy", "mixed_precision_policy", "unshard",
+                                        "offload_policy"))

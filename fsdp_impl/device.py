@@ -58,6 +58,29 @@ def is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def host_device() -> torch.device:
+    """Host memory: where CPU offload (``fsdp_impl.offload``) keeps what it moves off the device."""
+    return torch.device("cpu")
+
+
+def pinned_memory_available(device: torch.device) -> bool:
+    """Whether page-locked host memory can back copies to and from ``device`` (CUDA only; on a
+    CPU device the host is the device, so there is nothing to pin)."""
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait on the host until every stream of ``device`` is done (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wait_on_host(event: torch.cuda.Event | None) -> None:
+    """Block the host until ``event`` (from ``CommStream.record``) completed; no-op on CPU."""
+    if event is not None:
+        event.synchronize()
+
+
 # Backends of the default process group that take CUDA tensors: NCCL, and torch's ``fake``
 # backend (collectives that move nothing, for tracing and for benchmarking one rank's work).
 _CUDA_BACKENDS = ("nccl", "fake")

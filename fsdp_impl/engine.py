@@ -23,6 +23,7 @@ from .unshard_storage import GatherPhase
 if TYPE_CHECKING:
     from .config import FSDPConfig
     from .fp8_params import ModelFp8
+    from .offload import ModelOffload
 
 
 class FSDPEngine:
@@ -39,6 +40,7 @@ class FSDPEngine:
         self.report_nan = config.report_nan_in_param_grad
         self.outer_reducer = outer_reducer  # HSDP: averages grads across dp_outer once per cycle
         self.fp8 = fp8  # FP8 params / delayed scaling (fp8_params.py)
+        self.offload: ModelOffload | None = None  # CPU offload (offload.py); set by the assembly
         self.comm_dtype_override: torch.dtype | None = None
         self._callback_queued = False
         # From the first pre-backward (or grad) of a backward until its end-of-backward callback:
@@ -279,6 +281,8 @@ class FSDPEngine:
                                    "(report_nan_in_param_grad=True)")
         for unit in self.units:
             unit.install_grads(self.use_decoupled_grad)
+        if self.offload is not None:
+            self.offload.after_grads_to_host()
 
     def _nan_grad_names(self) -> list[str]:
         """FQNs whose synced grad holds a NaN on *any* rank (one MAX all-reduce of per-param
@@ -300,8 +304,9 @@ class FSDPEngine:
 
     def grad_buffer_ptrs(self) -> set[int]:
         """Storage addresses of the allocated grad buffers (``hide_buffer_grads`` matches views)."""
-        return {u.grad.data.untyped_storage().data_ptr() for u in self.units
-                if u.grad is not None and u.grad.is_allocated and u.grad.data.numel()}
+        buffers = [u.grad for u in self.units] + [u.offload.host_grad for u in self.units if u.offload is not None]
+        return {b.data.untyped_storage().data_ptr() for b in buffers
+                if b is not None and b.is_allocated and b.data.numel()}
 
     def check_zero_grad(self, free: bool) -> None:
         """Refuse ``zero_grad(set_to_none=True)`` in graph mode (before anything is reset)."""

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
 from .decoupled import clear_grads
 from .engine import FSDPEngine
 from .graph_mode import USER_CLASS_ATTR, check_optimizer_capturable
+from .offload_optim import check_offload_optimizer, offload_policy_of, offloaded_step, prepare_host_step
 from .placement import local_tensor
 
 # Attribute on each sharded param: a weakref to its model's engine, so an optimizer built on
@@ -106,21 +108,39 @@ class _FSDPOptimizerMixin(torch.optim.Optimizer):
                                set_to_none, super().zero_grad)
 
 
+class _FSDPOffloadOptimizerMixin(_FSDPOptimizerMixin):
+    """For models with ``offload_policy``: ``step`` runs on the host after a device sync
+    (``step="cpu"``) or streams the host state through the device (``step="gpu"``)."""
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        return offloaded_step(self, self._fsdp_engines, super().step, *args, **kwargs)
+
+
 def attach_engines(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine]) -> torch.optim.Optimizer:
     """Give ``optimizer`` the FSDP ``zero_grad`` (idempotent; several models may share one).
-    A CUDA-graph-mode model's optimizer must be capturable (checked before anything changes)."""
+    A CUDA-graph-mode model's optimizer must be capturable, an offloaded model's optimizer one its
+    ``offload_policy.step`` can run (checked before anything changes)."""
     if any(engine.graph_mode for engine in engines):
         check_optimizer_capturable(optimizer)
+    bound = list(optimizer._fsdp_engines) if isinstance(optimizer, _FSDPOptimizerMixin) else []
+    policy = offload_policy_of(bound + [e for e in engines if all(e is not b for b in bound)])
+    check_offload_optimizer(policy, optimizer)
     if isinstance(optimizer, _FSDPOptimizerMixin):
+        if policy is not None and not isinstance(optimizer, _FSDPOffloadOptimizerMixin):
+            raise ValueError("this optimizer was bound to models without offload_policy; an offloaded model "
+                             "needs its own optimizer")
         for engine in engines:
             if all(engine is not e for e in optimizer._fsdp_engines):
                 optimizer._fsdp_engines.append(engine)
         return optimizer
     cls = type(optimizer)
-    optimizer.__class__ = type(f"FSDP{cls.__name__}", (_FSDPOptimizerMixin, cls),
+    mixin = _FSDPOptimizerMixin if policy is None else _FSDPOffloadOptimizerMixin
+    optimizer.__class__ = type(f"FSDP{cls.__name__}", (mixin, cls),
                                {"__module__": cls.__module__, USER_CLASS_ATTR: cls})
     assert isinstance(optimizer, _FSDPOptimizerMixin)
     optimizer._fsdp_engines = list(engines)
+    if policy is not None:
+        prepare_host_step(optimizer, policy)
     return optimizer
 
 

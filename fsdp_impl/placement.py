@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, placement_types
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from .buffers import contiguous_stride
@@ -155,8 +156,14 @@ class PlacementPlan:
             self._mesh_with_tp()
 
     def wrap(self, local: torch.Tensor, tp: TPSpec | None, shape: Sequence[int]) -> DTensor:
-        """A DTensor view of this rank's ``local`` rows of a tensor of global ``shape``."""
+        """A DTensor view of this rank's ``local`` rows of a tensor of global ``shape``. A local
+        tensor in host memory while the mesh is on a device (CPU offload) stays where it is
+        (``DTensor.from_local`` would copy it to the device), as FSDP2's offloaded params do."""
         mesh, placements = self.mesh_and_placements(tp)
+        if local.device.type != mesh.device_type and not local.is_meta:
+            meta = TensorMeta(torch.Size(shape), contiguous_stride(shape), local.dtype)
+            spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+            return DTensor(local, spec, requires_grad=False)
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
                                   stride=contiguous_stride(shape))
 

@@ -23,6 +23,7 @@ from .decoupled import grad_attr_name
 from .device import CommStreams, is_capturing
 from .grad_reduce import GradScaling, TwoLevelGroups, UnitGradReduce, unit_grad_reduce
 from .grad_staging import GradStaging
+from .offload import OffloadPolicy, UnitOffload
 from .param import ManagedParam
 from .placement import PlacementPlan, local_tensor
 from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
@@ -103,6 +104,8 @@ class UnitContext:
     # enable_fine_grained_param_gather: a ZeRO-3 unit is gathered by the pre-forward hook of its
     # first submodule that holds params, not by the unit's own pre-forward (hooks.py, engine.py).
     fine_grained: bool = False
+    # CPU offload (fully_shard's offload_policy): which unit buffers live in host memory.
+    offload: OffloadPolicy | None = None
 
     @property
     def num_shards(self) -> int:
@@ -130,8 +133,11 @@ class FSDPUnit:
         for i, p in enumerate(self.trainable):
             p.grad_index = i
         n, r = ctx.num_shards, ctx.layout_rank
+        self.offload = UnitOffload(ctx.offload, ctx.device) if ctx.offload is not None else None
         self.weight = DataParallelBuffer(FlatLayout([p.layout_shape for p in params], n), r,
                                          self.dtypes.main_params, ctx.device)
+        if self.offload is not None:  # main params in host memory (offload_policy.main_params)
+            self.weight = self.offload.weight_buffer(self.weight)
         self.grad: DataParallelBuffer | None = None  # None: no trainable params
         if self.trainable:
             self.grad = DataParallelBuffer(FlatLayout([p.layout_shape for p in self.trainable], n), r,
@@ -155,6 +161,8 @@ class FSDPUnit:
         self.synced_version = -1  # weight-buffer version the compute params were built from
         self._grad_cache: list[torch.Tensor | None] = [None] * len(self.trainable)
         self.fp8: UnitFp8 | None = None  # FP8 params: gathered as FP8 bytes (fp8_params.py)
+        if self.offload is not None:
+            self.offload.attach(self)
 
     # ----------------------------------------------------------------- wrap time
     def shard_from_module(self) -> None:
@@ -245,7 +253,7 @@ class FSDPUnit:
             gather, self._gather = self._gather, None
             self._finish_gather(gather if gather is not None else self._start_gather())
             return
-        local = self.weight.data.to(self.dtypes.compute)
+        local = self._gather_input().to(self.dtypes.compute)
         with torch.no_grad(), _preserve_versions(self.params):
             self.weight.layout.unpack_all(local, [p.compute_local() for p in self.params],
                                           fused=not self.ctx.graph_mode)
@@ -279,15 +287,21 @@ class FSDPUnit:
         compute, group = self.dtypes.compute, self.ctx.gather_group or self.ctx.group
         layout = self.weight.layout
         gathered = torch.empty(layout.total_numel, dtype=compute, device=self.ctx.device)
-        if self.weight.dtype == compute:  # nothing to cast: gather straight from the shard
-            comm.all_gather(gathered, self.weight.data, group)
+        source = self._gather_input()
+        if source.dtype == compute:  # nothing to cast: gather straight from the shard
+            comm.all_gather(gathered, source, group)
         elif self._gathers_in_place(group):
             local = gathered.narrow(0, self.ctx.layout_rank * layout.segment_numel, layout.segment_numel)
-            local.copy_(self.weight.data)
+            local.copy_(source)
             comm.all_gather(gathered, local, group)
         else:
-            comm.all_gather(gathered, self.weight.data.to(compute), group)
+            comm.all_gather(gathered, source.to(compute), group)
         return gathered
+
+    def _gather_input(self) -> torch.Tensor:
+        """This rank's shard on the device, where a gather starts: the weight buffer, or with CPU
+        offload its device copy (``UnitOffload.gather_source``)."""
+        return self.weight.data if self.offload is None else self.offload.gather_source(self)
 
     def _gathers_in_place(self, group: dist.ProcessGroup) -> bool:
         """Whether this rank's chunk of the gather output is its own layout segment (the gather
@@ -448,18 +462,22 @@ class FSDPUnit:
         """
         if self.grad is None:
             return
-        self.grad.ensure_allocated()
+        if self.offload is not None and self.offload.host_grad is not None:
+            buffer = self.offload.grads_to_host(self.grad)  # grads wait for the step in host memory
+        else:
+            buffer = self.grad
+            buffer.ensure_allocated()
         attr = grad_attr_name(decoupled)
         for p in self.trainable:
             i, sharded = p.grad_slot, p.sharded
             cached = self._grad_cache[i]
             if cached is not None:
-                if local_tensor(cached).dtype != self.grad.dtype:
-                    local_tensor(cached).copy_(self.grad.local_view(i))
+                if local_tensor(cached).dtype != buffer.dtype:
+                    local_tensor(cached).copy_(buffer.local_view(i))
                 if getattr(sharded, attr, None) is not cached:
                     setattr(sharded, attr, cached)
                 continue
-            local = self.grad.local_view(i)
+            local = buffer.local_view(i)
             is_view = decoupled or local.dtype == sharded.dtype
             g = self.ctx.plan.wrap(local if is_view else local.to(sharded.dtype), p.tp, p.shape)
             if is_view or self.ctx.graph_mode:
@@ -478,6 +496,8 @@ class FSDPUnit:
                 self.grad.free()
             elif self.grad.is_allocated:
                 self.grad.zero(self._capture_token())
+        if self.offload is not None:
+            self.offload.zero_host_grads(free)
         if self.staging is not None:
             self.staging.clear()
         self.reducer.clear()

@@ -47,8 +47,15 @@ def _comparable(default: Any) -> Any:
     return default
 
 
+# Our keyword-only extensions after Megatron-FSDP's arguments (not part of the drop-in signature).
+KEYWORD_ONLY = {"fully_shard_model": [("offload_policy", None)], "fully_shard": [("offload_policy", None)],
+                "fully_shard_optimizer": []}
+
+
 def _ours(fn: Any) -> list[tuple[str, Any]]:
-    return [(p.name, _comparable(p.default)) for p in inspect.signature(fn).parameters.values()]
+    """Our positional-or-keyword parameters (what Megatron-FSDP's signature must match)."""
+    return [(p.name, _comparable(p.default)) for p in inspect.signature(fn).parameters.values()
+            if p.kind is not inspect.Parameter.KEYWORD_ONLY]
 
 
 def _frozen(args: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
@@ -60,8 +67,11 @@ def _frozen(args: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
                                            ("fully_shard_optimizer", OPTIMIZER_ARGS)])
 def test_signature_matches_the_frozen_megatron_fsdp_list(name: str, expected: list) -> None:
     assert _ours(getattr(fsdp_impl, name)) == _frozen(expected)
-    kinds = {p.kind for p in inspect.signature(getattr(fsdp_impl, name)).parameters.values()}
-    assert kinds == {inspect.Parameter.POSITIONAL_OR_KEYWORD}  # positional calls line up too
+    params = list(inspect.signature(getattr(fsdp_impl, name)).parameters.values())
+    positional = [p for p in params if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    assert {p.kind for p in positional} == {inspect.Parameter.POSITIONAL_OR_KEYWORD}  # positional calls line up
+    assert params[:len(positional)] == positional  # extensions come after Megatron-FSDP's arguments
+    assert [(p.name, p.default) for p in params[len(positional):]] == KEYWORD_ONLY[name]
 
 
 @pytest.mark.parametrize("name", ["fully_shard_model", "fully_shard", "fully_shard_optimizer"])

@@ -1,0 +1,252 @@
+"""CPU offload: ``OffloadPolicy`` (``fully_shard(..., offload_policy=...)``), its wrap-time checks,
+and the host buffers of one unit (``UnitOffload``).
+
+What lives where (per rank, for its shards only):
+
+* ``main_params``: the unit's weight shard (``unit.weight``, what ``model.parameters()`` are
+  DTensor views of and what the optimizer updates) is allocated in host memory.
+* ``params``: whether the all-gathers start from that host shard (one host-to-device copy per
+  gather, then the usual cast and all-gather). With ``params=False`` the engine keeps a copy of
+  the shard in the compute dtype on the device instead (a bf16 shard is half the fp32 one),
+  refreshed whenever the main weights changed: by the streamed step straight from its device
+  window, otherwise by one host-to-device copy before the next gather.
+* ``grads``: the reduced grad shards are copied to a host buffer at the end of the sync backward
+  and the device buffer is freed; ``.grad`` (or ``.decoupled_grad``) are views of the host buffer.
+* ``optimizer_state``: the optimizer's state tensors live in host memory.
+* ``step``: ``"cpu"`` runs the user's optimizer on the host tensors (FSDP2's ``CPUOffloadPolicy``);
+  ``"gpu"`` streams the host state through a small device window in chunks and does the Adam math
+  on the device (``offload_step.py``).
+
+Host buffers are pinned (page-locked) with ``pin_memory=True``, so copies run asynchronously on
+side streams; without pinning they are synchronous copies.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+from .buffers import DataParallelBuffer
+from .device import host_device, pinned_memory_available, synchronize
+
+if TYPE_CHECKING:
+    from .unit import FSDPUnit
+
+STEPS = ("gpu", "cpu")
+MIN_CHUNK_BYTES = 4096
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+_cpu_window_allowed = False  # see stream_on_cpu_for_tests
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Which per-rank state ``fully_shard`` keeps in host memory, and where the optimizer steps.
+
+    * ``optimizer_state`` (True): optimizer state (Adam's moments) in host memory.
+    * ``main_params`` (True): the main-parameter shards (``model.parameters()``) in host memory.
+    * ``grads`` (None): the reduced grad shards in host memory between the backward and the step;
+      None means where the step reads them: on the host for ``step="cpu"``, on the device for
+      ``step="gpu"``.
+    * ``params`` (False): True gathers every unit straight from its host shard (no copy of the
+      weights stays on the device); False keeps a compute-dtype copy of the shard on the device.
+    * ``step`` (``"gpu"``): ``"gpu"`` streams host state through the device in chunks and does
+      the math there (``fsdp_impl.optim.Adam/AdamW``, ``torch.optim.Adam/AdamW``); ``"cpu"`` runs
+      the optimizer on the host (any optimizer; Adam/AdamW use torch's fused CPU kernel).
+    * ``pin_memory`` (True): page-locked host buffers (asynchronous copies); needs CUDA.
+    * ``chunk_bytes`` (64 MiB): device bytes of one chunk of the streamed step (all streamed
+      tensors of the chunk together); the window holds ``WINDOW_SLOTS`` chunks.
+    """
+
+    optimizer_state: bool = True
+    main_params: bool = True
+    grads: bool | None = None
+    params: bool = False
+    step: str = "gpu"
+    pin_memory: bool = True
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("optimizer_state", "main_params", "params", "pin_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"OffloadPolicy.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.grads is not None and not isinstance(self.grads, bool):
+            raise TypeError(f"OffloadPolicy.grads must be None, True or False, got {self.grads!r}")
+        if self.step not in STEPS:
+            raise ValueError(f"OffloadPolicy.step must be one of {STEPS}, got {self.step!r}")
+        if isinstance(self.chunk_bytes, bool) or not isinstance(self.chunk_bytes, int):
+            raise TypeError(f"OffloadPolicy.chunk_bytes must be an int (bytes), got {self.chunk_bytes!r}")
+        if self.chunk_bytes < MIN_CHUNK_BYTES:
+            raise ValueError(f"OffloadPolicy.chunk_bytes must be at least {MIN_CHUNK_BYTES}, got {self.chunk_bytes}")
+        if self.step == "cpu" and not (self.main_params and self.optimizer_state):
+            raise ValueError("OffloadPolicy(step='cpu') runs the optimizer on the host, so main_params and "
+                             f"optimizer_state must be True (got main_params={self.main_params}, "
+                             f"optimizer_state={self.optimizer_state}); use step='gpu' to keep either on the device")
+        if self.step == "cpu" and self.grads is False:
+            raise ValueError("OffloadPolicy(step='cpu') reads the grads on the host: grads must be None or True, "
+                             "got False")
+        if self.params and not self.main_params:
+            raise ValueError("OffloadPolicy.params=True gathers from the host main-parameter shards, so it "
+                             "needs main_params=True")
+        if not (self.optimizer_state or self.main_params or self.grads):
+            raise ValueError("OffloadPolicy offloads nothing (optimizer_state, main_params and grads are all "
+                             "off); pass offload_policy=None instead")
+
+    @property
+    def grads_on_host(self) -> bool:
+        """Where the reduced grad shards wait for the step (``grads`` resolved)."""
+        return self.grads if self.grads is not None else self.step == "cpu"
+
+    @property
+    def device_compute_shard(self) -> bool:
+        """Whether each unit keeps a compute-dtype copy of its (host) shard on the device."""
+        return self.main_params and not self.params
+
+
+@contextlib.contextmanager
+def stream_on_cpu_for_tests() -> Iterator[None]:
+    """Test-only: allow ``step="gpu"`` on a CPU mesh, where the streamed step's "device window"
+    is host memory too and its streams are no-ops, so the chunking and the copies run (and can be
+    recorded) on gloo. Outside this context ``step="gpu"`` needs a CUDA device."""
+    global _cpu_window_allowed
+    previous, _cpu_window_allowed = _cpu_window_allowed, True
+    try:
+        yield
+    finally:
+        _cpu_window_allowed = previous
+
+
+def check_offload(policy: object, device: torch.device, cuda_graph_mode: bool, module: nn.Module) -> None:
+    """Wrap-time checks of ``offload_policy`` against the device and the other switches."""
+    if policy is None:
+        return
+    if not isinstance(policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be a fsdp_impl.OffloadPolicy or None, got {policy!r}")
+    if cuda_graph_mode:
+        raise ValueError("offload_policy cannot be combined with cuda_graph_mode=True: the offloaded step "
+                         "synchronises with the host and moves state between host and device buffers that "
+                         "a captured graph cannot follow; pass offload_policy=None or cuda_graph_mode=False")
+    if policy.step == "gpu" and device.type != "cuda" and not _cpu_window_allowed:
+        raise ValueError(f"offload_policy.step='gpu' streams the optimizer state through a CUDA device, but "
+                         f"the model runs on {device.type!r}; use OffloadPolicy(step='cpu'), or run on GPUs")
+    if policy.pin_memory and not pinned_memory_available(device):
+        raise ValueError(f"offload_policy.pin_memory=True needs page-locked host memory for a CUDA device, "
+                         f"but the model runs on {device.type!r}"
+                         f"{'' if device.type != 'cuda' else ' and CUDA is not available'}; pass "
+                         "OffloadPolicy(pin_memory=False)")
+    from .fp8_params import has_fp8_params  # FP8 is refused; imported here to keep offload light
+    if has_fp8_params(module):
+        raise NotImplementedError("offload_policy with FP8 parameters is not implemented yet: their FP8 bytes are "
+                                  "quantised from device-resident main shards; pass offload_policy=None")
+
+
+def host_buffer(like: DataParallelBuffer, pin: bool) -> DataParallelBuffer:
+    """A zero-filled host buffer with ``like``'s layout, rank and dtype (pinned if asked)."""
+    buf = DataParallelBuffer(like.layout, like.rank, like.dtype, host_device())
+    if pin:
+        buf.data = torch.zeros(buf.data.numel(), dtype=buf.dtype, pin_memory=True)
+    return buf
+
+
+class UnitOffload:
+    """The host side of one unit: its host grad buffer, the device compute-dtype copy of its
+    shard, and the copies between them (``unit.weight`` itself is the host main shard)."""
+
+    def __init__(self, policy: OffloadPolicy, device: torch.device) -> None:
+        self.policy = policy
+        self.device = device
+        self.host_grad: DataParallelBuffer | None = None
+        self.compute_shard: torch.Tensor | None = None  # params=False: the shard in the compute dtype
+        self.shard_version = -1  # unit.version_signature() the compute shard was built from
+        self.host_grad_fresh = True  # the host grads were zeroed or consumed since the last copy
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.policy.pin_memory
+
+    def weight_buffer(self, like: DataParallelBuffer) -> DataParallelBuffer:
+        """The unit's weight buffer: on the host with ``main_params``, else ``like`` itself."""
+        return host_buffer(like, self.policy.pin_memory) if self.policy.main_params else like
+
+    def attach(self, unit: FSDPUnit) -> None:
+        """Create the host grad buffer / the device compute shard once the unit's buffers exist.
+        The device grad buffer starts freed: the first reduction allocates it."""
+        if unit.grad is not None and self.policy.grads_on_host:
+            self.host_grad = host_buffer(unit.grad, self.policy.pin_memory)
+            unit.grad.free()
+        if self.policy.device_compute_shard:
+            self.compute_shard = torch.empty(unit.weight.data.numel(), dtype=unit.dtypes.compute, device=self.device)
+
+    # --------------------------------------------------------------------- params
+    def gather_source(self, unit: FSDPUnit) -> torch.Tensor:
+        """The device tensor a gather of ``unit`` starts from (call on the gather stream): the
+        compute shard, refreshed from the host if the main weights changed, or (``params=True``)
+        a fresh device copy of the host main shard in its own dtype."""
+        if self.compute_shard is None:
+            return self._to_device(unit.weight.data)
+        version = unit.version_signature()
+        if version != self.shard_version:
+            self.compute_shard.copy_(self._to_device(unit.weight.data))
+            self.shard_version = version
+        return self.compute_shard
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``host`` (an explicit copy, so the CPU test window copies too)."""
+        out = torch.empty(host.numel(), dtype=host.dtype, device=self.device)
+        out.copy_(host, non_blocking=self.non_blocking)
+        return out
+
+    def compute_view(self, unit: FSDPUnit, index: int) -> torch.Tensor | None:
+        """Param ``index``'s slice of the compute shard, flat (None without one)."""
+        if self.compute_shard is None:
+            return None
+        return unit.weight.layout.local_view(self.compute_shard, index, unit.weight.rank).reshape(-1)
+
+    def shard_is_fresh(self, unit: FSDPUnit) -> bool:
+        return self.compute_shard is not None and self.shard_version == unit.version_signature()
+
+    def mark_shard_fresh(self, unit: FSDPUnit) -> None:
+        """The streamed step wrote the new weights into the compute shard as well."""
+        if self.compute_shard is not None:
+            self.shard_version = unit.version_signature()
+
+    # ---------------------------------------------------------------------- grads
+    def grads_to_host(self, grad: DataParallelBuffer) -> DataParallelBuffer:
+        """End of a sync backward: move the reduced grads into the host buffer (adding when the
+        last ones were neither zeroed nor freed, i.e. the user accumulates across steps) and free
+        the device buffer. Returns the host buffer (what ``.grad`` views)."""
+        host = self.host_grad
+        assert host is not None
+        grad.ensure_allocated()
+        if self.host_grad_fresh:
+            host.data.copy_(grad.data, non_blocking=self.non_blocking)
+        else:
+            host.data.add_(grad.data.to(host.data.device))
+        grad.free()  # later allocations on this stream come after the copy: safe without a sync
+        self.host_grad_fresh = False
+        return host
+
+    def zero_host_grads(self, free: bool) -> None:
+        """``zero_grad``: the next copy overwrites; ``set_to_none=False`` also shows zeros now."""
+        if self.host_grad is not None:
+            if not free:
+                self.host_grad.data.zero_()
+            self.host_grad_fresh = True
+
+
+class ModelOffload:
+    """The offload state of one wrapped model: its policy and what the host must wait for."""
+
+    def __init__(self, policy: OffloadPolicy, device: torch.device) -> None:
+        self.policy = policy
+        self.device = device
+
+    def after_grads_to_host(self) -> None:
+        """The grads' device-to-host copies must be done before user code reads ``.grad`` on the
+        host (clipping, the host step)."""
+        if self.policy.grads_on_host and self.policy.pin_memory:
+            synchronize(self.device)

@@ -1,0 +1,330 @@
+"""The optimizer side of CPU offload (``OffloadPolicy``): which optimizers each step mode runs,
+the host step, and the streamed step's Adam kernels and state buffers.
+
+* ``step="cpu"``: the user's optimizer steps on the host tensors after the device is
+  synchronised (the grads' device-to-host copies are done and no copy still reads the host
+  weights). ``torch.optim.Adam/AdamW`` and ``fsdp_impl.optim.Adam/AdamW`` param groups that left
+  both ``fused`` and ``foreach`` at None run torch's fused CPU kernel (``prepare_host_step``).
+* ``step="gpu"``: ``OffloadedAdamStep`` replaces the optimizer's ``step``: it creates the state
+  as the optimizer would (its own lazy init), moves it into one flat buffer per unit and state
+  key (host memory, pinned), and runs ``offload_step.StreamedStep`` with a kernel that calls the
+  optimizer's own update function (``torch.optim.adam.adam`` with the group's flags, or
+  ``fsdp_impl.optim``'s path choice) on each chunk's views. The math, flags and kernel choice
+  are those of the non-offloaded step, so the result is bit-identical to it. Each parameter's
+  step counter goes into the kernel as a copy holding the pre-step value (the kernel increments
+  it; a parameter split over chunks must not count several steps) and is incremented once after.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd.graph import increment_version
+from torch.distributed.tensor import DTensor
+
+from .decoupled import read_grad
+from .device import host_device, synchronize
+from .graph_mode import USER_CLASS_ATTR
+from .offload import OffloadPolicy
+from .offload_step import GRAD, PARAM, StepStreams, StreamedStep, StreamEntry
+from .optim import Adam as FsdpAdam
+from .optim import AdamW as FsdpAdamW
+from .optim._adam_math import AdamTensors, adam_foreach_, adam_fused_, adam_single_
+from .optim.adam import _hyper, _use_foreach
+from .placement import local_tensor
+
+if TYPE_CHECKING:
+    from .engine import FSDPEngine
+    from .param import ManagedParam
+    from .unit import FSDPUnit
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_RUNNER_ATTR = "_fsdp_offload_step"
+
+
+def user_class(optimizer: torch.optim.Optimizer) -> type:
+    """The user's optimizer class (``fully_shard`` swaps in a subclass; look through it)."""
+    return getattr(type(optimizer), USER_CLASS_ATTR, type(optimizer))
+
+
+def _is_torch_adam(cls: type) -> bool:
+    return cls in (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _is_fsdp_adam(cls: type) -> bool:
+    return cls in (FsdpAdam, FsdpAdamW)
+
+
+def check_offload_optimizer(policy: OffloadPolicy | None, optimizer: torch.optim.Optimizer) -> None:
+    """``step="gpu"`` streams Adam/AdamW only: any other optimizer (or a subclass, whose own
+    ``step`` would be bypassed) is refused naming ``offload_policy`` and the class."""
+    if not isinstance(policy, OffloadPolicy) or policy.step != "gpu":
+        return
+    cls = user_class(optimizer)
+    if not (_is_torch_adam(cls) or _is_fsdp_adam(cls)):
+        raise ValueError(f"offload_policy=OffloadPolicy(step='gpu') streams the state of Adam/AdamW only "
+                         f"(fsdp_impl.optim.Adam/AdamW, torch.optim.Adam/AdamW), but the optimizer is "
+                         f"{cls.__module__}.{cls.__qualname__}; use OffloadPolicy(step='cpu') to run any optimizer "
+                         "on the host")
+    for i, group in enumerate(optimizer.param_groups):
+        if group.get("differentiable", False):
+            raise ValueError(f"offload_policy=OffloadPolicy(step='gpu') cannot stream a differentiable "
+                             f"{cls.__name__} (param group {i} has differentiable=True)")
+
+
+def prepare_host_step(optimizer: torch.optim.Optimizer, policy: OffloadPolicy) -> None:
+    """``step="cpu"``: Adam/AdamW groups that chose neither ``fused`` nor ``foreach`` run torch's
+    fused CPU kernel (one pass over param, grad and moments) instead of the single-tensor loop
+    torch picks on the CPU. ``fsdp_impl.optim`` groups with moments narrower than the params
+    cannot use it and keep their path."""
+    if policy.step != "cpu":
+        return
+    cls = user_class(optimizer)
+    if not (_is_torch_adam(cls) or _is_fsdp_adam(cls)) or not hasattr(torch, "_fused_adam_"):
+        return
+    narrow = _is_fsdp_adam(cls) and (getattr(optimizer, "exp_avg_dtype", None) is not None
+                                     or getattr(optimizer, "exp_avg_sq_dtype", None) is not None)
+    for group in optimizer.param_groups:
+        if group.get("fused") is None and group.get("foreach") is None and not group.get("differentiable"):
+            if not narrow and all(p.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+                                  for p in group["params"]):
+                group["fused"] = True
+
+
+def offload_policy_of(engines: list[FSDPEngine]) -> OffloadPolicy | None:
+    """The one offload policy of the models an optimizer steps (None: none offloads); models
+    with different policies (or offloaded and not) cannot share an optimizer."""
+    policies = [e.offload.policy if e.offload is not None else None for e in engines]
+    if not policies or all(p is None for p in policies):
+        return None
+    if any(p != policies[0] for p in policies):
+        raise ValueError(f"one optimizer steps models with different offload_policy values ({policies}); wrap them "
+                         "with the same offload_policy or give each its own optimizer")
+    return policies[0]
+
+
+def offloaded_step(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine], own_step: Callable[..., Any],
+                   *args: Any, **kwargs: Any) -> Any:
+    """``optimizer.step`` of an optimizer bound to offloaded models."""
+    policy = offload_policy_of(engines)
+    if policy is None:
+        return own_step(*args, **kwargs)
+    device = engines[0].ctx.device
+    if policy.step == "cpu":
+        synchronize(device)  # grads copied down, no copy still reading the host weights
+        result = own_step(*args, **kwargs)
+        mark_weights_changed(engines)
+        return result
+    closure = args[0] if args else kwargs.get("closure")
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    runner = optimizer.__dict__.get(_RUNNER_ATTR)
+    if runner is None:
+        runner = OffloadedAdamStep(optimizer, engines, policy, device)
+        optimizer.__dict__[_RUNNER_ATTR] = runner
+    runner.step(engines)
+    return loss
+
+
+def mark_weights_changed(engines: list[FSDPEngine]) -> None:
+    """Bump every weight buffer's version counter after a step: fused kernels
+    (``torch._fused_adam_``) update params in place without bumping any counter, and the
+    refresh of ZeRO-1/2 compute params and of the device compute shards keys on those counters."""
+    for engine in engines:
+        for unit in engine.units:
+            if unit.params:
+                increment_version(unit.weight.data)
+
+
+class OffloadedAdamStep:
+    """The streamed Adam/AdamW step of one optimizer (``step="gpu"``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engines: list[FSDPEngine], policy: OffloadPolicy,
+                 device: torch.device, streams: StepStreams | None = None) -> None:
+        self.optimizer = optimizer
+        self.policy = policy
+        self.device = device
+        self.cls = user_class(optimizer)
+        self.owner: dict[int, tuple[FSDPUnit, ManagedParam]] = {}
+        for engine in engines:
+            for unit in engine.units:
+                for mp in unit.trainable:
+                    self.owner[id(mp.sharded)] = (unit, mp)
+        self.arenas: dict[tuple[int, str, torch.dtype], torch.Tensor] = {}
+        self.offsets: dict[int, list[int]] = {}  # per unit: each trainable param's offset in its arenas
+        streamed = set(STATE_KEYS) if policy.optimizer_state else set()
+        streamed |= {PARAM} if policy.main_params else set()
+        streamed |= {GRAD} if policy.grads_on_host else set()
+        self.core = StreamedStep(device, streamed, policy.chunk_bytes, policy.pin_memory,
+                                 streams or StepStreams.for_device(device))
+
+    # ---------------------------------------------------------------------- step
+    def step(self, engines: list[FSDPEngine]) -> None:
+        entries, units = self._entries()
+        fresh = [u for u in units if u.offload is not None and u.offload.shard_is_fresh(u)]
+        for entry in entries:  # only fresh compute shards are kept fresh; stale ones refresh at the gather
+            unit = entry.extra["unit"]
+            if not any(unit is u for u in fresh):
+                entry.compute = None
+        self._stage_steps(entries)
+        kernel = self._torch_kernel if _is_torch_adam(self.cls) else self._fsdp_kernel
+        self.core.run(entries, kernel)
+        with torch.no_grad():
+            for entry in entries:
+                entry.extra["step"].add_(1)
+        mark_weights_changed(engines)
+        for unit in fresh:
+            assert unit.offload is not None
+            unit.offload.mark_shard_fresh(unit)
+
+    def _entries(self) -> tuple[list[StreamEntry], list[FSDPUnit]]:
+        """One entry per param with a grad, in param-group order, its state created and adopted."""
+        entries: list[StreamEntry] = []
+        units: list[FSDPUnit] = []
+        decoupled = bool(getattr(self.optimizer, "use_decoupled_grad", False))
+        base = 0
+        for gi, group in enumerate(self.optimizer.param_groups):
+            self._init_state(group, base)
+            base += len(group["params"])
+            for p in group["params"]:
+                grad = read_grad(p, decoupled)
+                if grad is None:
+                    continue
+                if id(p) not in self.owner:
+                    raise ValueError("offload_policy: the optimizer holds a parameter that is not a trainable "
+                                     "parameter of an offloaded model")
+                if torch.is_complex(p):
+                    raise ValueError("offload_policy=OffloadPolicy(step='gpu') does not support complex parameters")
+                unit, mp = self.owner[id(p)]
+                state = self.optimizer.state[p]
+                tensors = {PARAM: local_tensor(p).view(-1), GRAD: local_tensor(grad).reshape(-1)}
+                for key in STATE_KEYS:
+                    if key in state:
+                        tensors[key] = self._adopt(unit, mp, state, key)
+                compute = unit.offload.compute_view(unit, unit.params.index(mp)) if unit.offload else None
+                entries.append(StreamEntry(gi, tensors, compute, {"step": state["step"], "unit": unit,
+                                                                   "device_step": _device_step(group)}))
+                if all(u is not unit for u in units):
+                    units.append(unit)
+        return entries, units
+
+    def _init_state(self, group: dict[str, Any], base: int) -> None:
+        """The optimizer's own lazy state creation (and its grad checks) for ``group``."""
+        if _is_torch_adam(self.cls):
+            self.optimizer._init_group(group, [], [], [], [], [], [])  # type: ignore[attr-defined]
+        else:
+            self.optimizer._gather(group, base)  # type: ignore[attr-defined]
+
+    def _adopt(self, unit: FSDPUnit, mp: ManagedParam, state: dict[str, Any], key: str) -> torch.Tensor:
+        """Param ``mp``'s ``state[key]`` as a view of the unit's flat buffer for ``key`` (host
+        memory with ``optimizer_state``, else the device); a state tensor the optimizer (or a
+        ``load_state_dict``) made elsewhere is copied in and replaced by the view."""
+        value = state[key]
+        local = local_tensor(value)
+        arena = self._arena(unit, key, local.dtype)
+        offset = self._offsets(unit)[mp.grad_slot]
+        view = arena[offset: offset + local.numel()]
+        same_storage = local.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+        if local.data_ptr() != view.data_ptr() or not same_storage:
+            with torch.no_grad():
+                view.copy_(local.reshape(-1))
+            shaped = view.view(local.shape)
+            state[key] = unit.ctx.plan.wrap(shaped, mp.tp, mp.shape) if isinstance(value, DTensor) else shaped
+        return view
+
+    def _offsets(self, unit: FSDPUnit) -> list[int]:
+        offsets = self.offsets.get(id(unit))
+        if offsets is None:
+            offsets, total = [], 0
+            for q in unit.trainable:
+                offsets.append(total)
+                total += q.sharded_local().numel()
+            offsets.append(total)
+            self.offsets[id(unit)] = offsets
+        return offsets
+
+    def _arena(self, unit: FSDPUnit, key: str, dtype: torch.dtype) -> torch.Tensor:
+        name = (id(unit), key, dtype)
+        arena = self.arenas.get(name)
+        if arena is None:
+            numel = self._offsets(unit)[-1]
+            if not self.policy.optimizer_state:
+                arena = torch.zeros(numel, dtype=dtype, device=self.device)
+            elif self.policy.pin_memory:
+                arena = torch.zeros(numel, dtype=dtype, pin_memory=True)
+            else:
+                arena = torch.zeros(numel, dtype=dtype, device=host_device())
+            self.arenas[name] = arena
+        return arena
+
+    def _stage_steps(self, entries: list[StreamEntry]) -> None:
+        """Pre-step counters where the kernel needs them: on the window's device for fused or
+        capturable groups (one copy for all), else the host counter itself."""
+        on_device = [e for e in entries if e.extra["device_step"]]
+        if on_device:
+            stacked = torch.stack([e.extra["step"].detach().reshape(()) for e in on_device]).to(self.device)
+            for j, entry in enumerate(on_device):
+                entry.extra["staged"] = stacked[j]
+        for entry in entries:
+            entry.extra.setdefault("staged", entry.extra["step"])
+
+    # ------------------------------------------------------------------- kernels
+    def _torch_kernel(self, gi: int, items: list[tuple[StreamEntry, dict[str, torch.Tensor]]]) -> None:
+        """``torch.optim.adam.adam`` with the group's flags, as ``torch.optim.Adam.step`` calls it."""
+        group = self.optimizer.param_groups[gi]
+        beta1, beta2 = group["betas"]
+        amsgrad = group["amsgrad"]
+        fn = _torch_adam_fn(bool(group.get("decoupled_weight_decay", issubclass(self.cls, torch.optim.AdamW))))
+        fn([v[PARAM] for _, v in items], [v[GRAD] for _, v in items], [v["exp_avg"] for _, v in items],
+           [v["exp_avg_sq"] for _, v in items], [v["max_exp_avg_sq"] for _, v in items] if amsgrad else [],
+           [_step_copy(e) for e, _ in items], amsgrad=amsgrad, has_complex=False, beta1=beta1, beta2=beta2,
+           lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+           foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+           fused=group["fused"], grad_scale=getattr(self.optimizer, "grad_scale", None),
+           found_inf=getattr(self.optimizer, "found_inf", None))
+
+    def _fsdp_kernel(self, gi: int, items: list[tuple[StreamEntry, dict[str, torch.Tensor]]]) -> None:
+        """``fsdp_impl.optim.Adam.step``'s path choice (fused / foreach / single) on the views."""
+        group = self.optimizer.param_groups[gi]
+        batch = [AdamTensors(param=v[PARAM], grad=v[GRAD], exp_avg=v["exp_avg"], exp_avg_sq=v["exp_avg_sq"],
+                             max_exp_avg_sq=v.get("max_exp_avg_sq") if group["amsgrad"] else None,
+                             step=_step_copy(e)) for e, v in items]
+        hp = _hyper(group)
+        if group["fused"]:
+            adam_fused_(batch, hp)
+        elif _use_foreach(group, batch):
+            adam_foreach_(batch, hp)
+        else:
+            for tensors in batch:
+                adam_single_(tensors, hp)
+
+
+def _device_step(group: dict[str, Any]) -> bool:
+    """Fused and capturable Adam keep the step counter next to the params (here: the window)."""
+    return bool(group.get("fused")) or bool(group.get("capturable"))
+
+
+def _step_copy(entry: StreamEntry) -> torch.Tensor:
+    """A fresh counter with the pre-step value for one piece (the kernel increments it)."""
+    return entry.extra["staged"].clone()
+
+
+@functools.cache
+def _torch_adam_fn(decoupled: bool) -> Callable[..., None]:
+    """torch's functional Adam; AdamW through ``decoupled_weight_decay`` where ``adam`` takes it
+    (torch >= 2.7), else ``torch.optim.adamw.adamw``."""
+    from torch.optim.adam import adam
+    if "decoupled_weight_decay" in inspect.signature(adam).parameters:
+        return functools.partial(adam, decoupled_weight_decay=decoupled)
+    if decoupled:  # pragma: no cover - older torch
+        from torch.optim.adamw import adamw
+        return adamw
+    return adam  # pragma: no cover - older torch
+
+
+__all__ = ["OffloadedAdamStep", "check_offload_optimizer", "offloaded_step", "prepare_host_step"]
