@@ -7,10 +7,10 @@
 # Results: ${BENCH_OUT:-bench_results.jsonl} (JSON lines) and the same path with .md (the table).
 # Everything (all sizes, the step profile, the CUDA-graph bench): bench/gpu_all.sh.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 py=${PYTHON:-python3}
 out=${BENCH_OUT:-bench_results.jsonl}
-ngpu=$($py -c 'import torch; print(torch.cuda.device_count())')
+ngpu=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 [ "$ngpu" -ge 1 ] || { echo "bench needs at least one CUDA GPU" >&2; exit 2; }
-$py -m bench.suite --nproc-per-node "$ngpu" --sizes 1.3b --out "$out" --md "${out%.jsonl}.md" "$@"
+"$py" -m bench.suite --nproc-per-node "$ngpu" --sizes 1.3b --out "$out" --md "${out%.jsonl}.md" "$@"
