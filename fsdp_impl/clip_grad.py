@@ -146,6 +146,8 @@ def _local_partial(tensors: list[torch.Tensor], norm_type: float, dtype: torch.d
 def _reduce(partial: torch.Tensor, group: _ReduceGroup, norm_type: float) -> torch.Tensor:
     """All-reduce over each sharded mesh dim, in ascending dim order."""
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    if group.shard_dims and partial.device.type != group.mesh.device_type:
+        partial = partial.to(group.mesh.device_type)  # host grads (CPU offload): reduce on the mesh's device
     for dim in group.shard_dims:
         if group.mesh.size(dim) > 1:
             dist.all_reduce(partial, op=op, group=group.mesh.get_group(dim))
