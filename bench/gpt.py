@@ -4,11 +4,13 @@ Kept separate from the test models: the benchmark needs realistic sizes (1.3B) w
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 @dataclass(frozen=True)
@@ -20,11 +22,27 @@ class GPTConfig:
     seq: int = 2048
 
 
+def _save_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    """Selective recompute: keep the matmul and attention outputs, recompute norms, GELU, adds."""
+    if op in SAVED_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+SAVED_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_cudnn_attention.default)
+
+
 class Block(nn.Module):
-    """One pre-norm transformer block; the FSDP unit of the benchmark."""
+    """One pre-norm transformer block; the FSDP unit of the benchmark. ``selective=True``: its
+    forward runs under a non-reentrant checkpoint that saves matmul and attention outputs and
+    recomputes the rest in the backward (``create_selective_checkpoint_contexts``)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
+        self.selective = False
         self.heads = cfg.heads
         self.ln1 = nn.LayerNorm(cfg.hidden)
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
@@ -34,6 +52,12 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * cfg.hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.selective:
+            context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+            return checkpoint(self._forward, x, use_reentrant=False, context_fn=context)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).unbind(2)
         att = F.scaled_dot_product_attention(
@@ -62,6 +86,23 @@ class GPT(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.ln_f(x))
+
+
+def apply_recompute(model: nn.Module, style: str) -> None:
+    """Activation recompute of every block, the same way for every implementation (before it
+    wraps the model): ``full``: ``checkpoint_wrapper`` around each block (non-reentrant, torch's
+    ``apply_activation_checkpointing``); ``selective``: each block's own selective checkpoint;
+    ``none``: nothing."""
+    if style == "full":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    elif style == "selective":
+        for m in model.modules():
+            if isinstance(m, Block):
+                m.selective = True
+    elif style != "none":
+        raise ValueError(f"recompute style {style!r}; allowed: none, full, selective")
 
 
 def num_params(model: nn.Module) -> int:

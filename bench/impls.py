@@ -29,6 +29,7 @@ The ours/megatron bf16 module is the bf16 rounding of the fp32 init the others s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 from collections.abc import Callable
@@ -38,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.gpt import GPT, Block, GPTConfig
+from bench.gpt import GPT, Block, GPTConfig, apply_recompute
 from bench.runtime import Env
 
 SIZES: dict[str, GPTConfig] = {
@@ -175,6 +176,19 @@ def _ceiling(module: nn.Module, env: Env):
 
 
 _FSDP_BF16 = "bf16 module, fp32 main params + grads (MixedPrecisionPolicy), units = blocks"
+def _recomputed(style: str, build: Callable[[nn.Module, Env], tuple[nn.Module, torch.optim.Optimizer]],
+                module: nn.Module, env: Env) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``build`` after ``bench.gpt.apply_recompute(style)`` (the same recompute for every engine)."""
+    apply_recompute(module, style)
+    return build(module, env)
+
+
+def _with_recompute(impl: Impl, style: str, label: str) -> Impl:
+    return dataclasses.replace(impl, name=f"{impl.name}+{label}",
+                               setup=f"{impl.setup}; activation recompute: {style} (bench.gpt.apply_recompute)",
+                               build=functools.partial(_recomputed, style, impl.build))
+
+
 IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("ours-z3", f"fsdp_impl ZeRO-3 (optim_grads_params), {_FSDP_BF16}",
          functools.partial(_ours, "optim_grads_params", False), torch.bfloat16, False,
@@ -197,6 +211,10 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
          _ceiling, torch.float32, True, persistent_bytes=lambda w: 16.0),
 )}
 DEFAULT_IMPLS = tuple(IMPLS)
+# Recompute variants (not in the default set): "+ac" checkpoint_wrapper around each block, "+sac"
+# selective recompute inside each block; FSDP2 gets exactly the same model changes.
+IMPLS.update({v.name: v for base in ("ours-z3", "fsdp2") for style, label in (("full", "ac"), ("selective", "sac"))
+              for v in (_with_recompute(IMPLS[base], style, label),)})
 
 
 def unavailable_reason(name: str, world: int, fake: bool = False) -> str | None:

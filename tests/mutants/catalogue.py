@@ -289,6 +289,21 @@ def recompute_unit_gathered_twice() -> None:
     replace("fsdp_impl.engine:FSDPEngine.pre_backward", make)
 
 
+# ------------------------------------------------------------------------------- CPU offload
+def offload_step_skips_a_d2h() -> None:
+    """The streamed optimizer step of ``OffloadPolicy(step="gpu")`` never copies its second
+    chunk's updated params and moments back to host memory: that chunk's update is lost on the
+    host every step (the device compute shard still got it, so the first forward after the step
+    looks right; the next step starts from the stale host params and moments)."""
+    def make(original: Any) -> Any:
+        def copy(self: Any, chunk: list, entries: list, window: dict, base: int, to_host: bool) -> None:
+            if to_host and len(self.last_plan) > 1 and chunk is self.last_plan[1]:
+                return
+            original(self, chunk, entries, window, base, to_host)
+        return copy
+    replace("fsdp_impl.offload_step:StreamedStep._copy", make)
+
+
 # ------------------------------------------------------------------------------------- harness
 def harness_rank0_outcome_only() -> None:
     """The harness reports a distributed test by rank 0's outcome alone: a failure on another
@@ -355,6 +370,8 @@ MUTANTS = (
            (F + "test_activation_recompute.py", "-k", "test_recompute_gathers_nothing_extra and wrapper")),
     Mutant("recompute_unit_gathered_twice", "a unit gathered for its recompute and again for its backward",
            (F + "test_activation_recompute.py", "-k", "test_recompute_gathers_nothing_extra and region")),
+    Mutant("offload_step_skips_a_d2h", "the streamed offload step loses one chunk's update on the host",
+           (F + "test_offload.py", "-k", "test_offload_matches_no_offload and gpu-zero3")),
     Mutant("harness_rank0_outcome_only", "the harness aggregates only rank 0's outcome",
            ("tests/unit/reports/test_signoff_harness_contract.py",)),
 )
