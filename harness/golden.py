@@ -8,7 +8,13 @@ every series must be within ``tolerance`` (relative; 0 = bit for bit), else the 
 the first drifting step; a missing file fails naming the command that makes it. With
 ``--golden-update`` the file is rewritten (by rank 0 of a distributed test) and the change
 against the old file is printed for review. Either way the comparison goes into the JUnit
-property ``golden`` (JSON; ``report.golden_section`` renders it), so the sign-off shows the curves.
+property ``golden`` (JSON; the sign-off's "Numerics vs golden" section, ``report.golden_view``,
+shows it with a plot of each drifting cell).
+
+The ``checkpoint_compat(fixture, check=...)`` marker names a test that loads a checkpoint
+committed by an earlier version; it becomes the JUnit property ``checkpoint_compat`` at collection
+(so a test that crashes still carries it), which the sign-off's "Checkpoint compatibility"
+section lists.
 
 Options reach spawned rank processes through the environment (``ENV_*``): the controller sets
 them in ``pytest_configure``, and the ranks, which run their own pytest session without the
@@ -26,8 +32,19 @@ from typing import Any
 
 import pytest
 
-GOLDEN_PROPERTY = "golden"  # JUnit property: one cell's comparison as JSON (GoldenResult.as_json)
+from harness.report.junit_format import (
+    CHECKPOINT_COMPAT_PROPERTY,
+    GOLDEN_DRIFT,
+    GOLDEN_MATCH,
+    GOLDEN_MISSING,
+    GOLDEN_PROPERTY,
+    GOLDEN_UPDATED,
+)
+
 MARKER = "golden: a golden cell: a fixed-seed run compared with the reviewed per-platform file (harness.golden)"
+COMPAT_MARKER = ("checkpoint_compat(fixture, check='loads and continues its curve'): a test of a checkpoint "
+                 "committed by an earlier version (JUnit property checkpoint_compat; harness.golden)")
+_COMPAT_ADDED = pytest.StashKey[bool]()
 ENV_UPDATE = "HARNESS_GOLDEN_UPDATE"
 ENV_DIR = "HARNESS_GOLDEN_DIR"
 ENV_PLATFORM = "HARNESS_GOLDEN_PLATFORM"
@@ -51,6 +68,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER)
+    config.addinivalue_line("markers", COMPAT_MARKER)
     if config.getoption("golden_update", False):
         os.environ[ENV_UPDATE] = "1"
     golden_dir = config.getoption("golden_dir", None)
@@ -61,6 +79,26 @@ def pytest_configure(config: pytest.Config) -> None:
     platform = config.getoption("golden_platform", None)
     if platform:
         os.environ[ENV_PLATFORM] = platform
+
+
+def compat_property(item: pytest.Item) -> tuple[str, str] | None:
+    """The ``checkpoint_compat`` property of ``item`` (from its closest mark), or None."""
+    mark = item.get_closest_marker("checkpoint_compat")
+    if mark is None:
+        return None
+    fixture = mark.args[0] if mark.args else mark.kwargs.get("fixture", item.name)
+    check = mark.args[1] if len(mark.args) > 1 else mark.kwargs.get("check", "loads and continues its curve")
+    return CHECKPOINT_COMPAT_PROPERTY, json.dumps({"fixture": str(fixture), "check": str(check)})
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Attach ``checkpoint_compat`` at collection: the controller's report keeps it even when a rank dies."""
+    if item.stash.get(_COMPAT_ADDED, False):
+        return
+    item.stash[_COMPAT_ADDED] = True
+    prop = compat_property(item)
+    if prop is not None:
+        item.user_properties.append(prop)
 
 
 def detect_platform() -> str:
@@ -139,11 +177,13 @@ class GoldenResult:
     cell: str
     platform: str
     path: str
-    status: str  # "match", "drift", "missing", "updated"
+    status: str  # one of junit_format.GOLDEN_STATUSES
     series: dict[str, SeriesDrift] = field(default_factory=dict)
+    golden_versions: dict[str, str] = field(default_factory=dict)  # what the golden file was made with
 
     def as_json(self) -> str:
         return json.dumps({"cell": self.cell, "platform": self.platform, "path": self.path, "status": self.status,
+                           "golden_versions": self.golden_versions,
                            "series": {k: v.as_dict() for k, v in self.series.items()}})
 
 
@@ -177,27 +217,28 @@ class Golden:
         tolerances = _tolerances(series, tolerance)
         path = self.path(cell)
         stored = json.loads(path.read_text()) if path.exists() else None
-        result = GoldenResult(cell, self.platform, str(path), "match")
+        result = GoldenResult(cell, self.platform, str(path), GOLDEN_MATCH,
+                              golden_versions=dict(stored.get("versions", {})) if stored else {})
         for name, values in series.items():
             old = None if stored is None else stored["series"].get(name)
             drift = SeriesDrift([float(v) for v in values], old, tolerances[name])
             drift.compare()
             result.series[name] = drift
         if self.update:
-            result.status = "updated"
+            result.status = GOLDEN_UPDATED
             if _is_writer():
                 _write(path, cell, self.platform, series, tolerances, note)
                 print(_change_summary(result, stored is None))
         elif stored is None:
-            result.status = "missing"
+            result.status = GOLDEN_MISSING
         elif any(d.first_drift_step is not None for d in result.series.values()):
-            result.status = "drift"
+            result.status = GOLDEN_DRIFT
         self._request.node.user_properties.append((GOLDEN_PROPERTY, result.as_json()))
-        if result.status == "missing":
+        if result.status == GOLDEN_MISSING:
             pytest.fail(f"golden cell {cell!r} has no golden file for platform {self.platform!r} ({path}); make it "
                         f"with `python -m pytest -m golden --golden-update {self._request.node.nodeid}` (or the "
                         "whole golden tier), review the printed values and commit the file", pytrace=False)
-        if result.status == "drift":
+        if result.status == GOLDEN_DRIFT:
             pytest.fail(_drift_message(result), pytrace=False)
         return result
 

@@ -13,7 +13,13 @@ Properties of a ``<testcase>`` (they may repeat; XML order is kept):
   ``@pytest.mark.regression``; ``param:<name>`` = a parametrisation argument's value;
 - ``rank<r>`` = that rank's outcome of a distributed test (``passed``, ``failed``, ``skipped``,
   ``error``, ``died``, ``no-report``); ``rank<r>.<name>`` = a property recorded on some ranks only;
-- ``state_changed`` = what the test left changed in its rank (restored by the harness).
+- ``state_changed`` = what the test left changed in its rank (restored by the harness);
+- ``golden`` = one golden cell's comparison with its reviewed file, as JSON (``harness.golden``'s
+  ``GoldenResult.as_json``: ``cell``, ``platform``, ``path``, ``status`` (one of ``GOLDEN_STATUSES``),
+  ``golden_versions`` and per series ``run``, ``golden``, ``tolerance``, ``max_rel_drift``,
+  ``first_drift_step``);
+- ``checkpoint_compat`` = a checkpoint-compatibility test (``@pytest.mark.checkpoint_compat``), as JSON
+  ``{"fixture": ..., "check": ...}``: which committed checkpoint it loads and what it checks.
 
 The sign-off's own merged JUnit adds ``harness_synthesised`` (a case the run never reported: crashed,
 never run, missing) and ``<skipped type="harness.not_run">`` for a test that never ran.
@@ -44,6 +50,12 @@ PARAM_PROPERTY_PREFIX = "param:"
 STATE_CHANGED_PROPERTY = "state_changed"
 SYNTHESISED_PROPERTY = "harness_synthesised"
 NOT_RUN_TYPE = "harness.not_run"
+GOLDEN_PROPERTY = "golden"
+CHECKPOINT_COMPAT_PROPERTY = "checkpoint_compat"
+# A golden cell's status: equal within tolerance; drifted; no golden file for the platform; the file
+# was rewritten (``--golden-update``: nothing was compared).
+GOLDEN_MATCH, GOLDEN_DRIFT, GOLDEN_MISSING, GOLDEN_UPDATED = "match", "drift", "missing", "updated"
+GOLDEN_STATUSES = (GOLDEN_MATCH, GOLDEN_DRIFT, GOLDEN_MISSING, GOLDEN_UPDATED)
 
 # Regression ids as carried in ``regression`` properties and known-bug lists: kebab-case.
 BUG_ID_RE = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
