@@ -119,7 +119,17 @@ if [ -n "${HARNESS_BASELINE:-}" ]; then
     baseline=($HARNESS_BASELINE)
     args+=(--baseline "${baseline[@]}")
 fi
-[ -n "${HARNESS_MUTANTS_SUMMARY:-}" ] && args+=(--mutants "$HARNESS_MUTANTS_SUMMARY")
+if [ -n "${HARNESS_MUTANTS_SUMMARY:-}" ]; then
+    # shellcheck disable=SC2206  # a word list: a tier's summary and/or the golden cells' (runner --golden)
+    summaries=($HARNESS_MUTANTS_SUMMARY)
+    for summary in "${summaries[@]}"; do
+        args+=(--mutants "$summary")
+    done
+fi
+if [ -n "${HARNESS_BENCH:-}" ]; then
+    # the bench is part of this tier: its speed against the generation's stored baseline gates the verdict
+    args+=(--bench "$HARNESS_BENCH" --bench-baseline "${HARNESS_BENCH_BASELINE:-bench/baselines/$gen.json}")
+fi
 verdict=0
 "$(harness_python)" -m harness.report.signoff "${args[@]}" || verdict=$?
 

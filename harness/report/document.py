@@ -1,8 +1,9 @@
 """The sign-off as a list of neutral blocks (headings, paragraphs, tables, charts), so that the
 Markdown and HTML renderers show exactly the same content in the same order.
 
-The order is a release manager's: the verdict and its rules; what changed since the baseline; the
-configuration matrix; the failures; then the rest (known bugs and their regression tests, flaky
+The order is a release manager's: the verdict and its rules; what changed since the baseline run
+and since the last release (numerics vs golden, checkpoint compatibility, speed vs baseline:
+``release_blocks``); the configuration matrix; the failures; then the rest (known bugs and their regression tests, flaky
 tests, skips by reason, results per suite and file, slowest tests and buckets, environment and,
 when given, mutation testing). Tables longer than ``FOLD_ROWS`` are folded (``Details``) so the
 sections a reader needs first stay on the first screen.
@@ -60,11 +61,14 @@ class Details:
 
 @dataclasses.dataclass
 class Chart:
-    """A picture only the HTML page draws: ``heatmap`` (the matrix) or ``suite_bars``. ``fallback``
-    holds the same data for text: Markdown shows it in the chart's place, HTML folds it below."""
+    """A picture: ``heatmap`` (the matrix), ``suite_bars`` or ``golden_plot`` (``data``: a
+    ``GoldenCell``). ``fallback`` holds the same data for text: Markdown shows it in the chart's
+    place (after the plot's image file, when the report is written with its assets), HTML folds it
+    below."""
 
     kind: str
     fallback: list[Any] = dataclasses.field(default_factory=list)
+    data: Any = None
 
 
 Block = Heading | Para | Bullets | Table | Details | Chart
@@ -236,7 +240,7 @@ def environment_blocks(rep: Report) -> list[Block]:
 
 def mutant_blocks(rep: Report) -> list[Block]:
     if rep.mutants is None:
-        return []
+        return [Heading(2, "Mutation testing")] if rep.golden_mutants is not None else []
     muts = rep.mutants["mutants"]
     killed = sum(m.get("status") == "killed" for m in muts)
     rate = f"{100 * killed / len(muts):.0f} %" if muts else "-"
@@ -250,7 +254,12 @@ def mutant_blocks(rep: Report) -> list[Block]:
 
 
 def blocks(rep: Report) -> list[Block]:
-    """The whole report, in order: verdict, changes, matrix, failures, then the rest."""
-    return [*verdict_blocks(rep), *diff_blocks(rep.diff, rep.baseline_sources), *matrix_blocks(rep),
+    """The whole report, in order: verdict, changes (since the baseline run and the last release),
+    matrix, failures, then the rest."""
+    from harness.report import release_blocks as rel
+
+    return [*verdict_blocks(rep), *diff_blocks(rep.diff, rep.baseline_sources), *rel.golden_blocks(rep),
+            *rel.compat_blocks(rep), *rel.speed_blocks(rep), *matrix_blocks(rep),
             *failure_blocks(rep), *regression_blocks(rep), *flaky_blocks(rep), *skip_blocks(rep),
-            *suite_blocks(rep), *slow_blocks(rep), *environment_blocks(rep), *mutant_blocks(rep)]
+            *suite_blocks(rep), *slow_blocks(rep), *environment_blocks(rep), *mutant_blocks(rep),
+            *rel.golden_mutant_blocks(rep)]

@@ -1,6 +1,7 @@
 """The sign-off as one self-contained HTML page (``report.html``): inline CSS and SVG, no script, no
 network. The matrix is a heat map (one colour per outcome; hovering a cell shows its tests through
-the SVG ``<title>``) and each suite gets a stacked bar of its outcomes."""
+the SVG ``<title>``), each suite gets a stacked bar of its outcomes, and each drifting golden cell
+its curves over the golden ones (``plots``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 from collections.abc import Sequence
 
 from harness.report import document as doc
+from harness.report import plots
 from harness.report.junit_read import OUTCOMES, Counts, TestCase
 from harness.report.matrix_view import MatrixView
 from harness.report.sections import Report
@@ -26,6 +28,7 @@ h2{border-bottom:2px solid #ddd;padding-bottom:3px;margin-top:1.6em}.PASS{color:
 svg text{font-family:system-ui,sans-serif;font-size:12px}.legend span{display:inline-block;margin-right:12px}
 .legend i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:middle}
 details{margin:0.3em 0 1em}summary{cursor:pointer;color:#1f4e8c}
+svg.golden-plot{max-width:100%;height:auto;display:block;margin:0.3em 0}
 """
 
 
@@ -140,6 +143,12 @@ def suite_bars(groups: dict[str, list[TestCase]]) -> str:
     return "".join(parts)
 
 
+def _chart(block: doc.Chart, rep: Report) -> list[str]:
+    if block.kind == "golden_plot":
+        return [plots.golden_svg(block.data)]
+    return [legend(), heatmap(rep.matrix) if block.kind == "heatmap" else suite_bars(rep.by("suite"))]
+
+
 def render_blocks(blocks: list[doc.Block], rep: Report) -> list[str]:
     out: list[str] = []
     for block in blocks:
@@ -158,7 +167,7 @@ def render_blocks(blocks: list[doc.Block], rep: Report) -> list[str]:
             out.append(f"<details><summary>{esc(block.summary)}</summary>"
                        + "".join(render_blocks(block.blocks, rep)) + "</details>")
         elif isinstance(block, doc.Chart):
-            out += [legend(), heatmap(rep.matrix) if block.kind == "heatmap" else suite_bars(rep.by("suite"))]
+            out += _chart(block, rep)
             if block.fallback:  # the same data as text, folded: the picture already shows it
                 out += render_blocks([doc.Details("The same as a table", block.fallback)], rep)
     return out

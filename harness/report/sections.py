@@ -13,6 +13,7 @@ from typing import Any
 
 from harness.report import matrix_view
 from harness.report.diff import BaselineDiff, baseline_diff
+from harness.report.golden_view import CompatRow, GoldenCell, compat_rows, compat_rule, golden_cells, golden_rule
 from harness.report.junit_read import (
     FLAKY,
     NOT_RUN,
@@ -26,6 +27,7 @@ from harness.report.junit_read import (
 )
 from harness.report.regressions import RegressionRow, regression_rows
 from harness.report.runs import Run
+from harness.report.speed import SpeedView, speed_rule
 from harness.report.verdict import Rule, notes, rules, verdict
 
 SLOWEST = 10
@@ -67,6 +69,9 @@ class Report:
     counts: Counts
     diff: BaselineDiff | None
     baseline_sources: list[str]
+    golden: list[GoldenCell]
+    compat: list[CompatRow]
+    speed: SpeedView | None
     matrix: matrix_view.MatrixView
     regressions: list[RegressionRow]
     failures: list[FailureRow]
@@ -77,6 +82,7 @@ class Report:
     buckets: list[dict[str, Any]]
     environment: list[tuple[str, list[str]]]  # (field, value per run)
     mutants: dict[str, Any] | None
+    golden_mutants: dict[str, Any] | None = None  # the runner's --golden summary: the golden cells alone
 
     @property
     def gating_cases(self) -> list[TestCase]:
@@ -140,6 +146,9 @@ def environment_rows(runs: Sequence[Run]) -> list[tuple[str, list[str]]]:
     return [(label, [_lookup(r.environment, path) for r in runs]) for label, path in ENV_FIELDS]
 
 
+GOLDEN_TIER = "golden"  # the mutation runner's --golden mode (tests.mutants.runner)
+
+
 def read_mutants(path: pathlib.Path) -> dict[str, Any]:
     """The mutation runner's summary (``tests/mutants``): tier, and per mutant status and killers."""
     try:
@@ -151,23 +160,65 @@ def read_mutants(path: pathlib.Path) -> dict[str, Any]:
     return data
 
 
+def split_mutants(summaries: Sequence[dict[str, Any]]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the tier's summary, the golden cells' summary): at most one of each."""
+    tiers = [s for s in summaries if s.get("tier") != GOLDEN_TIER]
+    golden = [s for s in summaries if s.get("tier") == GOLDEN_TIER]
+    if len(tiers) > 1 or len(golden) > 1:
+        raise JunitError("give at most one --mutants summary of a tier and one of the golden cells (--golden)")
+    return (tiers[0] if tiers else None), (golden[0] if golden else None)
+
+
+def gpu_only_here(golden_mutants: dict[str, Any]) -> list[str]:
+    """Numerics-changing mutants whose numbers change only on GPUs, when the run was on CPU."""
+    if golden_mutants.get("gen") != "cpu":
+        return []
+    return [m["name"] for m in golden_mutants["mutants"] if m.get("numerics") and m.get("numerics_gpu_only")]
+
+
+def numerics_survivors(golden_mutants: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Mutants that change numerics where the golden cells ran, but survived them."""
+    if golden_mutants is None:
+        return []
+    skip = set(gpu_only_here(golden_mutants))
+    return [m for m in golden_mutants["mutants"]
+            if m.get("numerics") and m.get("status") != "killed" and m.get("name") not in skip]
+
+
+def _notes(runs: list[Run], speed: SpeedView | None, golden_mutants: dict[str, Any] | None) -> list[str]:
+    out = notes(runs)
+    if speed is not None:
+        out += [f"speed: {n}" for n in speed.notes]
+    survivors = numerics_survivors(golden_mutants)
+    if survivors:
+        out.append("numerics-changing mutant(s) the golden cells do not kill: "
+                   + ", ".join(f"`{m['name']}`" for m in survivors) + " (see Mutation testing)")
+    return out
+
+
 def build_report(title: str, runs: list[Run], required: dict[str, str], baseline: list[TestCase] | None,
                  sources: Sequence[str], baseline_sources: Sequence[str] = (), diff_limit: int = 20,
-                 mutants: dict[str, Any] | None = None) -> Report:
+                 mutants: dict[str, Any] | None = None, speed: SpeedView | None = None,
+                 golden_mutants: dict[str, Any] | None = None) -> Report:
     """Compute every section of the sign-off."""
     gating = [c for r in runs if r.gating for c in r.cases]
     rows = regression_rows(gating, required)
-    rule_list = rules(runs, rows)
+    golden = golden_cells(gating)
+    compat = compat_rows(gating, golden)
+    extra = [golden_rule(golden), compat_rule(compat), *([speed_rule(speed)] if speed is not None else [])]
+    rule_list = rules(runs, rows) + extra
     passed, reasons = verdict(rule_list)
     failures, per_rank = failure_rows(gating)
     declared = next((r.matrix_axes for r in runs if r.matrix_axes), [])
     flaky = [c for r in runs for c in r.cases if c.outcome == FLAKY or not r.gating]
     return Report(
         title=title, generated=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        sources=list(sources), runs=runs, passed=passed, reasons=reasons, rules=rule_list, notes=notes(runs),
-        counts=Counts.of(gating),
+        sources=list(sources), runs=runs, passed=passed, reasons=reasons, rules=rule_list,
+        notes=_notes(runs, speed, golden_mutants), counts=Counts.of(gating),
         diff=baseline_diff(gating, baseline, diff_limit) if baseline is not None else None,
-        baseline_sources=list(baseline_sources), matrix=matrix_view.build(gating, declared), regressions=rows,
+        baseline_sources=list(baseline_sources), golden=golden, compat=compat, speed=speed,
+        matrix=matrix_view.build(gating, declared), regressions=rows,
         failures=failures, failures_per_rank=per_rank, flaky=sorted(flaky, key=lambda c: (c.run, c.test_id)),
         skips=skip_groups(gating), slowest=sorted(gating, key=lambda c: -c.seconds)[:SLOWEST],
-        buckets=bucket_rows(runs)[:SLOWEST], environment=environment_rows(runs), mutants=mutants)
+        buckets=bucket_rows(runs)[:SLOWEST], environment=environment_rows(runs), mutants=mutants,
+        golden_mutants=golden_mutants)

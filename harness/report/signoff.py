@@ -1,11 +1,14 @@
 """``harness-signoff``: turn the JUnit XML (and sidecars) of one or more runs into a QA sign-off.
 
 A release manager signs off from one page: the verdict and the rules behind it, what changed since
-a baseline run, the configuration matrix of the functional suites, which known bugs have a passing
-regression test, failures by rank, flaky tests, skips by reason, the slowest tests and buckets, and
-the environment. Written as Markdown (``report.md``), a self-contained HTML page with the matrix as
-a heat map (``report.html``) and JSON (``summary.json``); ``merged-junit.xml`` holds every run in
-one JUnit file, a crashed run's tests included. Exit codes: 0 PASS, 1 FAIL, 2 unusable input.
+a baseline run and since the last release (numerics vs the reviewed golden files, checkpoints of
+earlier versions, speed vs the stored bench baseline), the configuration matrix of the functional
+suites, which known bugs have a passing regression test, failures by rank, flaky tests, skips by
+reason, the slowest tests and buckets, and the environment. Written as Markdown (``report.md``), a
+self-contained HTML page with the matrix as a heat map (``report.html``) and JSON
+(``summary.json``); ``merged-junit.xml`` holds every run in one JUnit file, a crashed run's tests
+included; ``golden-plots/`` the SVG plots the Markdown links to. Exit codes: 0 PASS, 1 FAIL, 2
+unusable input.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from harness.report.diff import DEFAULT_LIMIT
 from harness.report.junit_read import JunitError
 from harness.report.regressions import parse_required_regressions
 from harness.report.runs import Run, load_runs, merged_junit
-from harness.report.sections import Report, build_report, read_mutants
+from harness.report.sections import Report, build_report, read_mutants, split_mutants
+from harness.report.speed import SpeedView, compare, read_baseline, read_bench
 from harness.report.summary import summary
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_TITLE = "QA sign-off report"
 OUT_FILES = {"md": "report.md", "html": "report.html", "json": "summary.json", "junit": "merged-junit.xml"}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -47,8 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"at most N entries per baseline-diff list (default {DEFAULT_LIMIT})")
     parser.add_argument("--require-regressions", type=pathlib.Path, metavar="FILE",
                         help="list of bug ids that must have a passing regression test")
-    parser.add_argument("--mutants", type=pathlib.Path, metavar="FILE",
-                        help="mutation-testing summary (tests/mutants) to show the kill rate and killers")
+    parser.add_argument("--mutants", type=pathlib.Path, action="append", default=[], metavar="FILE",
+                        help="mutation-testing summary (tests/mutants) to show the kill rate and killers; "
+                             "repeatable: one of a tier and one of the golden cells (runner --golden)")
+    parser.add_argument("--bench", type=pathlib.Path, metavar="RESULT",
+                        help="bench result (bench/suite.py JSON lines): compared with --bench-baseline; a speed "
+                             "drop beyond the threshold fails the verdict")
+    parser.add_argument("--bench-baseline", type=pathlib.Path, metavar="FILE",
+                        help="stored baseline of the GPU generation (bench/baselines/<gen>.json)")
+    parser.add_argument("--bench-threshold", type=float, metavar="FRACTION",
+                        help="fail on a drop of the ratio to FSDP2 beyond this (e.g. 0.05); default: 3 x the "
+                             "baseline's measured run-to-run spread")
     parser.add_argument("--out-dir", type=pathlib.Path, metavar="DIR",
                         help="write " + ", ".join(OUT_FILES.values()) + " into DIR")
     parser.add_argument("--output", type=pathlib.Path, metavar="FILE", help="write the Markdown report here")
@@ -69,7 +83,7 @@ def _outputs(args: argparse.Namespace) -> dict[str, pathlib.Path]:
 
 
 def _write(outputs: dict[str, pathlib.Path], rep: Report, runs: list[Run]) -> None:
-    texts = {"md": lambda: render_md.render(rep), "html": lambda: render_html.render(rep),
+    texts = {"md": lambda: render_md.render(rep, with_assets=True), "html": lambda: render_html.render(rep),
              "json": lambda: json.dumps(summary(rep), indent=1, default=str) + "\n"}
     for kind, path in outputs.items():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,6 +91,22 @@ def _write(outputs: dict[str, pathlib.Path], rep: Report, runs: list[Run]) -> No
             merged_junit(runs).write(str(path), pretty=False)
         else:
             path.write_text(texts[kind](), encoding="utf-8")
+    if "md" in outputs:  # the golden plots the Markdown links to, next to it
+        for rel, svg in render_md.assets(rep).items():
+            target = outputs["md"].parent / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(svg, encoding="utf-8")
+
+
+def _speed(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SpeedView | None:
+    if args.bench is None and args.bench_baseline is None:
+        return None
+    if args.bench is None or args.bench_baseline is None:
+        parser.error("--bench and --bench-baseline go together")
+    if args.bench_threshold is not None and not 0 < args.bench_threshold < 1:
+        parser.error("--bench-threshold is a fraction between 0 and 1 (e.g. 0.05)")
+    return compare(read_bench(args.bench), read_baseline(args.bench_baseline), str(args.bench_baseline),
+                   args.bench_threshold)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,12 +121,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = load_runs(args.junit, args.missing_run, args.flaky_junit)
         baseline = [c for r in load_runs(args.baseline) if r.gating for c in r.cases] if args.baseline else None
         required = parse_required_regressions(args.require_regressions) if args.require_regressions else {}
-        mutants = read_mutants(args.mutants) if args.mutants else None
+        mutants, golden_mutants = split_mutants([read_mutants(p) for p in args.mutants])
+        speed = _speed(args, parser)
     except JunitError as exc:
         print(f"harness-signoff: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     sources = [*args.junit, *(f"{p} (flaky)" for p in args.flaky_junit), *(f"{m} (missing)" for m in args.missing_run)]
-    rep = build_report(args.title, runs, required, baseline, sources, args.baseline or (), args.diff_limit, mutants)
+    rep = build_report(args.title, runs, required, baseline, sources, args.baseline or (), args.diff_limit, mutants,
+                       speed, golden_mutants)
     outputs = _outputs(args)
     if not outputs:
         sys.stdout.write(render_md.render(rep))

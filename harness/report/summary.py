@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from harness.report import golden_view
 from harness.report.diff import Capped
 from harness.report.junit_read import Counts, TestCase, one_line_cause
 from harness.report.sections import Report
+from harness.report.speed import SpeedView
 
 
 def _test(case: TestCase) -> dict[str, Any]:
@@ -16,6 +18,16 @@ def _test(case: TestCase) -> dict[str, Any]:
 
 def _capped(capped: Capped) -> dict[str, Any]:
     return {"total": capped.total, "shown": capped.shown}
+
+
+def _speed(view: SpeedView | None) -> dict[str, Any] | None:
+    if view is None:
+        return None
+    rows = [{"size": r.size, "impl": r.impl, "status": r.status, "change": r.change, "threshold": r.threshold,
+             "memory_change": r.memory_change, "baseline": r.base,
+             "now": None if r.now is None else dataclasses.asdict(r.now)} for r in view.rows]
+    return {"bench": view.bench, "baseline": view.baseline_path, "threshold_source": view.threshold_source,
+            "problems": view.problems, "notes": view.notes, "cells": rows}
 
 
 def summary(rep: Report) -> dict[str, Any]:
@@ -43,6 +55,10 @@ def summary(rep: Report) -> dict[str, Any]:
                  for r in rep.runs],
         "suites": {s: Counts.of(g).as_dict() for s, g in rep.by("suite").items()},
         "baseline": diff,
+        "golden": [golden_view.as_json(g) for g in rep.golden],
+        "checkpoint_compat": [{**_test(r.case), "fixture": r.fixture, "check": r.check, "ok": r.ok,
+                               "curve": None if r.golden is None else r.golden.status} for r in rep.compat],
+        "speed": _speed(rep.speed),
         "matrix": {"axes": m.axes, "column_axis": m.column_axis, "cell_counts": m.cell_counts(), "cells": cells},
         "regressions": [{"bug_id": r.bug_id, "description": r.description, "required": r.required,
                          "status": r.status, "tests": [_test(c) for c in r.cases]} for r in rep.regressions],
@@ -56,4 +72,5 @@ def summary(rep: Report) -> dict[str, Any]:
         "buckets": rep.buckets,
         "environment": {r.label: r.environment for r in rep.runs},
         "mutants": rep.mutants,
+        "golden_mutants": rep.golden_mutants,
     }

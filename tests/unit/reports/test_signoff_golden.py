@@ -37,8 +37,10 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 def test_sections_in_order(outputs) -> None:
     md = outputs["md"]
     headings = [line for line in md.splitlines() if line.startswith("## ")]
-    # A release manager's order: verdict, what changed, the matrix, the failures, then the rest.
-    assert headings == ["## Verdict: FAIL", "## Changes since baseline", "## Configuration matrix",
+    # A release manager's order: verdict, what changed (since the baseline run, since the last
+    # release), the matrix, the failures, then the rest.
+    assert headings == ["## Verdict: FAIL", "## Changes since baseline", "## Numerics vs golden",
+                        "## Checkpoint compatibility", "## Speed vs baseline", "## Configuration matrix",
                         "## Failures by rank", "## Known bugs and their regression tests", "## Flaky tests",
                         "## Skipped tests", "## Results per suite and file", "## Slowest tests and buckets",
                         "## Environment", "## Mutation testing"]
@@ -55,6 +57,8 @@ def test_verdict_rules_and_totals(outputs) -> None:
         "nothing left unrun": ("FAILED", "2 test(s) never ran"),
         "required regressions": ("ok", "2 required, all passed"),
         "no mutant": ("ok", "none"),
+        "golden values": ("ok", "no golden cell ran"),
+        "checkpoint compatibility": ("ok", "no checkpoint-compatibility test ran"),
     }
     (total,) = table_rows(md, "## Verdict: FAIL", "tests")
     assert total == {"tests": "13", "passed": "6", "flaky": "1", "failed": "1", "errors": "1", "skipped": "2",

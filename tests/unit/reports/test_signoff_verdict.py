@@ -82,7 +82,8 @@ def test_collected_but_never_reported_tests_are_not_run(tmp_path, capsys) -> Non
     code, report, _ = run_main(["--junit", xml], capsys)
     assert code == signoff.EXIT_FAIL
     assert rule_results(report) == {"tests ran": "ok", "every run ran": "ok", "no failures": "ok",
-                                    "nothing left unrun": "FAILED", "required regressions": "ok", "no mutant": "ok"}
+                                    "nothing left unrun": "FAILED", "required regressions": "ok", "no mutant": "ok",
+                                    "golden values": "ok", "checkpoint compatibility": "ok"}
 
 
 def test_a_test_interrupted_mid_run_is_an_error(tmp_path, capsys) -> None:

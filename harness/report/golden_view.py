@@ -1,0 +1,218 @@
+"""Golden values and checkpoint compatibility as the sign-off sees them, read from JUnit properties.
+
+A golden cell's comparison travels in the ``golden`` property (``harness.golden``); a test that loads
+a checkpoint committed by an earlier version carries ``checkpoint_compat``. Both answer "what
+changed since the last release", so their rules are strict: any drift, a missing golden file, a
+rewrite under ``--golden-update`` (nothing was compared) or a compatibility test that did not pass
+fails a gating run. Standard library only, like the rest of the report's reading side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from harness.report.junit_format import (
+    CHECKPOINT_COMPAT_PROPERTY,
+    GOLDEN_DRIFT,
+    GOLDEN_MATCH,
+    GOLDEN_MISSING,
+    GOLDEN_PROPERTY,
+    GOLDEN_UPDATED,
+    RANK_PROPERTY_RE,
+)
+from harness.report.junit_read import NOT_RUN, PASSED, SKIPPED, XFAILED, TestCase, one_line_cause
+from harness.report.verdict import Rule
+
+UNREADABLE = "unreadable"  # a ``golden`` property that is not the JSON harness.golden writes
+NO_RESULT = "no result"  # a test of a golden module that failed before it recorded a comparison
+STATUS_ORDER = (GOLDEN_DRIFT, GOLDEN_MISSING, UNREADABLE, NO_RESULT, GOLDEN_UPDATED, GOLDEN_MATCH)
+UPDATE_COMMAND = "python -m pytest -m golden --golden-update '{nodeid}'"
+
+
+@dataclasses.dataclass(frozen=True)
+class SeriesView:
+    """One per-step series of a cell: the run, the golden values and how far apart they are."""
+
+    name: str
+    run: list[float]
+    golden: list[float] | None
+    tolerance: float
+    max_rel_drift: float | None  # None: not comparable (no golden values, or another length)
+    first_drift_step: int | None
+
+    @property
+    def drifted(self) -> bool:
+        return self.first_drift_step is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldenCell:
+    """One golden comparison of one test in one run."""
+
+    case: TestCase
+    cell: str
+    platform: str
+    path: str
+    status: str
+    series: tuple[SeriesView, ...] = ()
+    golden_versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == GOLDEN_MATCH
+
+    @property
+    def update_command(self) -> str:
+        return UPDATE_COMMAND.format(nodeid=self.case.test_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompatRow:
+    """One checkpoint-compatibility test: the committed fixture it loads, what it checks, its outcome
+    and, when it continued a curve, that curve's golden comparison."""
+
+    case: TestCase
+    fixture: str
+    check: str
+    golden: GoldenCell | None
+
+    @property
+    def ok(self) -> bool:
+        return self.case.outcome in (PASSED, SKIPPED, XFAILED) and (self.golden is None or self.golden.ok)
+
+
+def _property(case: TestCase, name: str) -> str | None:
+    """``name``, or the first ``rank<r>.name`` (a value the ranks did not all record alike)."""
+    value = case.prop(name)
+    if value is not None:
+        return value
+    for key, val in case.properties:
+        head, _, tail = key.partition(".")
+        if tail == name and RANK_PROPERTY_RE.match(head):
+            return val
+    return None
+
+
+def _float(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _series(name: str, data: dict[str, Any]) -> SeriesView:
+    golden = data.get("golden")
+    drift = data.get("max_rel_drift")
+    return SeriesView(name, [_float(v) for v in data.get("run") or []],
+                      None if golden is None else [_float(v) for v in golden], float(data.get("tolerance") or 0.0),
+                      None if drift is None else float(drift), data.get("first_drift_step"))
+
+
+def parse_golden(case: TestCase) -> GoldenCell | None:
+    """The golden comparison ``case`` recorded, or None when it recorded none."""
+    raw = _property(case, GOLDEN_PROPERTY)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+        series = tuple(_series(str(k), v) for k, v in data.get("series", {}).items())
+        status = str(data["status"])
+        return GoldenCell(case, str(data["cell"]), str(data.get("platform", "?")), str(data.get("path", "")),
+                          status, series, {str(k): str(v) for k, v in (data.get("golden_versions") or {}).items()})
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return GoldenCell(case, case.bracket_id or case.name, "-", "", UNREADABLE,
+                          detail=f"{type(exc).__name__}: {exc}")
+
+
+def golden_cells(cases: Sequence[TestCase]) -> list[GoldenCell]:
+    """Every golden comparison, problems first, and the tests of the same files that failed before
+    comparing anything (a crash in a golden cell must not hide in the section; a checkpoint-
+    compatibility test is the next section's)."""
+    found = [g for g in map(parse_golden, cases) if g is not None]
+    modules = {g.case.module_path for g in found}
+    recorded = {id(g.case) for g in found}
+    for case in cases:
+        if id(case) in recorded or case.module_path not in modules or _property(case, CHECKPOINT_COMPAT_PROPERTY):
+            continue
+        if case.failing or case.outcome == NOT_RUN:
+            found.append(GoldenCell(case, case.bracket_id or case.name, "-", "", NO_RESULT,
+                                    detail=f"{case.outcome}: {one_line_cause(case)}"))
+    order = {s: i for i, s in enumerate(STATUS_ORDER)}
+    return sorted(found, key=lambda g: (order.get(g.status, 0), g.case.run, g.cell))
+
+
+def compat_rows(cases: Sequence[TestCase], cells: Sequence[GoldenCell]) -> list[CompatRow]:
+    """The tests marked ``checkpoint_compat``, with the golden curve each continued (if any)."""
+    by_case = {id(g.case): g for g in cells}
+    rows = []
+    for case in cases:
+        raw = _property(case, CHECKPOINT_COMPAT_PROPERTY)
+        if raw is None:
+            continue
+        try:
+            data = json.loads(raw)
+            fixture, check = str(data.get("fixture", "?")), str(data.get("check", ""))
+        except (ValueError, AttributeError):
+            fixture, check = raw, ""
+        rows.append(CompatRow(case, fixture, check, by_case.get(id(case))))
+    return sorted(rows, key=lambda r: (r.ok, r.case.run, r.fixture))
+
+
+def _named(cells: Sequence[GoldenCell]) -> str:
+    shown = ", ".join(f"`{g.cell}` ({g.platform}, {g.case.run})" for g in cells[:5])
+    return shown + (f" and {len(cells) - 5} more" if len(cells) > 5 else "")
+
+
+def golden_rule(cells: Sequence[GoldenCell]) -> Rule:
+    """Every golden cell of the gating runs matches its reviewed file."""
+    problems = []
+    for status, words in ((GOLDEN_DRIFT, "drifted"), (GOLDEN_MISSING, "have no golden file"),
+                          (UNREADABLE, "recorded an unreadable comparison"),
+                          (NO_RESULT, "failed before comparing"),
+                          (GOLDEN_UPDATED, "were rewritten with --golden-update (nothing compared)")):
+        hit = [g for g in cells if g.status == status]
+        if hit:
+            problems.append(f"{len(hit)} {words}: {_named(hit)}")
+    matched = sum(g.ok for g in cells)
+    evidence = "; ".join(problems) or (f"{matched} golden cell(s) match" if cells else "no golden cell ran")
+    return Rule("golden values", "every golden cell matches its reviewed per-platform file (a drift, a missing "
+                "file or a --golden-update run is a FAIL)", not problems, evidence)
+
+
+def compat_rule(rows: Sequence[CompatRow]) -> Rule:
+    """Every checkpoint of an earlier version still loads (or is refused as it must be)."""
+    bad = [r for r in rows if not r.ok]
+    evidence = "; ".join(f"`{r.fixture}` ({r.case.run}): {r.case.outcome}" for r in bad[:5])
+    if len(bad) > 5:
+        evidence += f" and {len(bad) - 5} more"
+    if not bad:
+        evidence = f"{len(rows)} test(s) passed" if rows else "no checkpoint-compatibility test ran"
+    return Rule("checkpoint compatibility", "every checkpoint-compatibility test passed (committed checkpoints "
+                "load and continue their curves; an unknown format is refused)", not bad, evidence)
+
+
+def drift_text(s: SeriesView) -> str:
+    """``3.2e-07 @ step 1``, ``0`` (bit for bit), ``1e-09 (within 1e-08)`` or ``-`` (not comparable)."""
+    if s.golden is None or s.max_rel_drift is None:
+        return "-"
+    if s.drifted:
+        return f"{s.max_rel_drift:.3g} @ step {s.first_drift_step}"
+    if s.max_rel_drift == 0:
+        return "0"
+    return f"{s.max_rel_drift:.3g} (within {s.tolerance:g})"
+
+
+def as_json(cell: GoldenCell) -> dict[str, Any]:
+    """A cell for ``summary.json``: the curves only where they drifted (the reviewed file has the rest)."""
+    series = {}
+    for s in cell.series:
+        entry: dict[str, Any] = {"tolerance": s.tolerance, "max_rel_drift": s.max_rel_drift,
+                                 "first_drift_step": s.first_drift_step}
+        if s.drifted:
+            entry.update(run=s.run, golden=s.golden)
+        series[s.name] = entry
+    return {"test": cell.case.test_id, "run": cell.case.run, "cell": cell.cell, "platform": cell.platform,
+            "status": cell.status, "path": cell.path, "golden_versions": cell.golden_versions,
+            "detail": cell.detail, "series": series}
