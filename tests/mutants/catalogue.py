@@ -4,8 +4,11 @@ sharded data-parallel training and of its test harness.
 Each public function below applies one mutant when called; the harness calls it at the start of
 every process of a run named by ``HARNESS_MUTANT=tests.mutants.catalogue:<name>``. A mutant
 patches by name through :func:`tests.mutants.patching.replace`, which raises when the target is
-gone, so a stale mutant cannot pass for a killed one. ``MUTANTS`` lists them with the bug class
-and the narrowest test selection expected to kill each (``python -m tests.mutants.runner --narrow``).
+gone, so a stale mutant cannot pass for a killed one. ``MUTANTS`` lists them with the bug class,
+the narrowest test selection expected to kill each (``python -m tests.mutants.runner --narrow``)
+and, for a mutant that changes the numbers training produces, when it does (``numerics``): the
+golden cells alone must kill each of those (``runner --golden``) on the platforms where it changes
+them (``numerics_gpu_only``: not on CPU/gloo).
 """
 from __future__ import annotations
 
@@ -22,6 +25,10 @@ class Mutant:
     name: str
     bug_class: str
     narrow: tuple[str, ...]  # pytest arguments selecting the tests that should kill it
+    # When the mutant changes losses, grads or weights (None: traffic, timing, a crash or refusal,
+    # or the harness; numbers equal up to rounding count as unchanged).
+    numerics: str | None = None
+    numerics_gpu_only: bool = False  # the numbers change only on GPUs (NCCL, CUDA graphs)
 
 
 def _wrap_after(after: Callable[..., None]) -> Callable[[Any], Any]:
@@ -325,45 +332,59 @@ def harness_rank0_outcome_only() -> None:
 F = "tests/functional/"
 MUTANTS = (
     Mutant("adam_dummy_step_on_load", "optimizer dummy step advances Adam's step count",
-           (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2")),
+           (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2"),
+           numerics="after a checkpoint load"),
     Mutant("optimizer_state_dropped_on_load", "optimizer state dropped on load",
-           (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2")),
+           (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2"),
+           numerics="after a checkpoint load"),
     Mutant("stale_weights_after_load", "stale compute weights after checkpoint load",
-           (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2")),
+           (F + "test_checkpoint_resume.py", "-k", "test_resume_is_bit_exact and ws2"),
+           numerics="after a checkpoint load (ZeRO-0/1/2)"),
     Mutant("manifest_published_before_data", "checkpoint manifest published before its data is written",
            ("tests/unit/checkpoint/test_checkpoint_crash_safety.py", "-k", "test_killed_save_leaves_a_complete")),
     Mutant("grads_summed_not_averaged", "grads summed instead of averaged",
-           (F + "test_mesh_world2.py", "-k", "test_plain_fsdp_world2")),
+           (F + "test_mesh_world2.py", "-k", "test_plain_fsdp_world2"),
+           numerics="every step at world > 1"),
     Mutant("zeroed_grad_overwritten_after_write", "zeroed grad buffer overwritten after a write into .grad",
-           ("tests/unit/fsdp/test_graph_mode_cpu.py", "-k", "test_zeroed_grad_buffers_are_overwritten")),
+           ("tests/unit/fsdp/test_graph_mode_cpu.py", "-k", "test_zeroed_grad_buffers_are_overwritten"),
+           numerics="when .grad is written between zero_grad(set_to_none=False) and the backward"),
     Mutant("refresh_prefetch_kept_across_steps", "ZeRO-1/2 prefetched refresh gather used after the next step",
-           ("tests/unit/fsdp/test_refresh_prefetch.py", "-k", "test_unused_prefetch")),
+           ("tests/unit/fsdp/test_refresh_prefetch.py", "-k", "test_unused_prefetch"),
+           numerics="ZeRO-1/2, when a forward skips a unit"),
     Mutant("root_prefetch_skipped", "ZeRO-3 root starts no prefetch (first/last unit gathered late)",
            (F + "test_engine_features.py", "-k", "test_zero3_root_prefetches_first_and_last_unit")),
     Mutant("gather_cast_into_wrong_chunk", "shard cast into chunk 0, not this rank's, for an in-place gather",
-           (F + "test_engine_features.py", "-k", "test_cast_shards_are_gathered_in_place")),
+           (F + "test_engine_features.py", "-k", "test_cast_shards_are_gathered_in_place"),
+           numerics="NCCL at world > 1 (gloo reads the input before writing)", numerics_gpu_only=True),
     Mutant("hsdp_outer_reduce_every_microbatch", "HSDP outer reduce on every microbatch",
            (F + "test_mesh_world2.py", "-k", "test_hsdp_world2")),
     Mutant("hsdp_outer_reduce_never", "HSDP outer reduce never",
-           (F + "test_mesh_world2.py", "-k", "test_hsdp_world2")),
+           (F + "test_mesh_world2.py", "-k", "test_hsdp_world2"),
+           numerics="HSDP, every step"),
     Mutant("accumulation_syncs_every_microbatch", "grad accumulation ignores no-sync microbatches",
            (F + "test_engine_features.py", "-k", "test_accumulation_grads_absent_until_sync")),
     Mutant("decoupled_grad_none_on_empty_shards", "decoupled_grad None on empty shards",
            (F + "test_decoupled_grad.py", "-k", "test_decoupled_grads_present_after_sync and ws2")),
     Mutant("optimizer_reads_grad_not_decoupled_grad", "optimizer reads .grad while the buffer writes decoupled_grad",
-           (F + "test_decoupled_grad.py", "-k", "test_losses_match_reference and ws2")),
+           (F + "test_decoupled_grad.py", "-k", "test_losses_match_reference and ws2"),
+           numerics="decoupled grads: every step is a no-op"),
     Mutant("clip_grad_norm_local_only", "grad clipping by the local instead of the global norm",
-           (F + "test_decoupled_grad.py", "-k", "test_clip_norm_matches_reference and ws2")),
+           (F + "test_decoupled_grad.py", "-k", "test_clip_norm_matches_reference and ws2"),
+           numerics="whenever grads are clipped at world > 1"),
     Mutant("meta_init_same_rng_per_shard", "meta init with the same RNG on every rank",
-           (F + "test_engine_features.py", "-k", "test_meta_init_equals_eager_init")),
+           (F + "test_engine_features.py", "-k", "test_meta_init_equals_eager_init"),
+           numerics="meta-device init"),
     Mutant("meta_init_rng_not_synchronised", "meta init with a different RNG state per rank",
-           (F + "test_engine_features.py", "-k", "test_meta_init_equals_eager_init")),
+           (F + "test_engine_features.py", "-k", "test_meta_init_equals_eager_init"),
+           numerics="meta-device init"),
     Mutant("zero_grad_drops_grad_views", "zero_grad(set_to_none=True) semantics drop captured grad views",
-           (F + "test_engine_features.py", "-k", "test_zero_grad_keep_views")),
+           (F + "test_engine_features.py", "-k", "test_zero_grad_keep_views"),
+           numerics="CUDA-graph replay (eager numbers unchanged)", numerics_gpu_only=True),
     Mutant("graph_mode_zero_grad_set_to_none_allowed", "zero_grad(set_to_none=True) allowed in CUDA-graph mode",
            ("tests/unit/fsdp/test_graph_mode_cpu.py", "-k", "test_zero_grad_set_to_none_is_refused")),
     Mutant("fp8_amax_not_reduced", "FP8 scales from each rank's local amax",
-           (F + "test_fp8.py", "-k", "test_training_matches_reference and delayed-fsdp2-eager")),
+           (F + "test_fp8.py", "-k", "test_training_matches_reference and delayed-fsdp2-eager"),
+           numerics="FP8 parameters at world > 1"),
     Mutant("recompute_pre_backward_keeps_sharded_params", "recompute inside a unit reads its sharded params",
            (F + "test_activation_recompute.py", "-k", "test_recompute_is_bit_identical_world2 and z3-resize")),
     Mutant("recompute_runs_as_a_forward", "recompute reshards the unit before its backward reads it",

@@ -10,11 +10,15 @@ Runs use one intra-op thread, so a CPU result does not depend on the machine's c
 Together the cells cover the matrix axes: ZeRO 0-3, HSDP and HFSDP, CP and TP meshes, bf16
 compute with fp32 main params, decoupled grads with the precision-aware AdamW (bf16 moments),
 activation recompute, and the torch-native FP8 recipes (``GPU_CELLS`` add TransformerEngine
-recipes on GPUs; ``GPU_CELLS`` run at world 1).
+recipes on GPUs; ``GPU_CELLS`` run at world 1). ``zero3_meta_init`` builds the model on the meta
+device, so the golden cells see meta-init bugs too (an RNG that differs per rank or repeats per
+shard changes the weights; ``python -m tests.mutants.runner --golden``); its numbers equal
+``zero3``'s, meta init being bit-identical to eager init.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +39,10 @@ STEPS = 20
 CLIP = 1.0
 LOCAL_BATCH = 2
 LR = 1e-2
+# A deliberate learning-rate perturbation for the whole run (e.g. ``1.000001``): the sign-off's
+# acceptance test proves a 1e-6 change drifts. Never honoured under --golden-update (it would write
+# perturbed golden files).
+ENV_LR_SCALE = "FSDP_GOLDEN_LR_SCALE"
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class Cell:
     dtype: torch.dtype = torch.float32  # compute dtype (main params and grads stay fp32)
     optimizer: str = "adam"  # "adam": torch Adam; "adamw_decoupled": fsdp_impl AdamW, decoupled grads, bf16 moments
     recipe: str | None = None  # FP8 recipe (model "fp8": torch-native; "te": TransformerEngine's)
+    meta_init: bool = False  # build on the meta device, materialised shard by shard (model "gpt")
 
 
 CELLS = (
@@ -60,6 +69,7 @@ CELLS = (
     Cell("zero3_bf16", 2, dtype=torch.bfloat16),
     Cell("zero3_decoupled_adamw", 2, optimizer="adamw_decoupled"),
     Cell("zero3_recompute", 2, model="recompute"),
+    Cell("zero3_meta_init", 2, meta_init=True),
     Cell("fp8_current", 2, model="fp8", recipe="current"),
     Cell("fp8_delayed", 2, model="fp8", recipe="delayed"),
     Cell("fp8_blockwise", 2, model="fp8", recipe="blockwise"),
@@ -115,7 +125,7 @@ def _build(cell: Cell, device: torch.device) -> tuple[nn.Module, list[type[nn.Mo
             return (torch.randn(LOCAL_BATCH, 4, 3, generator=gen).to(cell.dtype),), torch.randn(
                 LOCAL_BATCH, 4, 2, generator=gen)
         return model, [RecomputeBlock], recompute_batch, lambda out, y: F.mse_loss(out.float(), y)
-    model = build_model("gpt", cell.dtype, seed=0)
+    model = build_model("gpt", cell.dtype, seed=0, device="meta" if cell.meta_init else None)
 
     def gpt_batch(step: int, slot: int, slots: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         inputs, target = make_batch("gpt", LOCAL_BATCH * slots, seed=1000 + step)
@@ -163,14 +173,28 @@ class CellRun:
     device: torch.device
 
 
+def env_lr_scale() -> float:
+    """``FSDP_GOLDEN_LR_SCALE`` (1.0 when unset); refused while golden files are being rewritten."""
+    from harness.golden import ENV_UPDATE
+
+    raw = os.environ.get(ENV_LR_SCALE, "").strip()
+    if not raw:
+        return 1.0
+    if os.environ.get(ENV_UPDATE) == "1":
+        raise RuntimeError(f"{ENV_LR_SCALE}={raw} perturbs the golden cells: unset it before --golden-update")
+    return float(raw)
+
+
 def start_cell(cell: Cell, device: torch.device, lr_scale: float = 1.0) -> CellRun:
-    """Build and wrap ``cell`` (``lr_scale`` perturbs the learning rate: the golden tests' proof
-    that a drift is caught)."""
+    """Build and wrap ``cell`` (``lr_scale``, times ``FSDP_GOLDEN_LR_SCALE``, perturbs the learning
+    rate: the golden tests' proof that a drift is caught)."""
     model, units, batch, loss = _build(cell, device)
     opt, opt_kwargs = _optimizer(cell, model.parameters())
+    lr_scale *= env_lr_scale()
     for group in opt.param_groups:
         group["lr"] = group["lr"] * lr_scale
-    kwargs: dict[str, Any] = dict(fsdp_unit_modules=units, zero_dp_strategy=cell.zero, **opt_kwargs)
+    kwargs: dict[str, Any] = dict(fsdp_unit_modules=units, zero_dp_strategy=cell.zero,
+                                  init_model_with_meta_device=cell.meta_init, **opt_kwargs)
     slot, slots = dist.get_rank(), dist.get_world_size()
     if cell.mesh is not None:
         mesh = seed_mesh(cell.mesh, device.type)

@@ -66,3 +66,22 @@ def test_undo_down_to_keeps_the_earlier_patches() -> None:
     finally:
         patching.undo()
     assert (comm.all_gather, comm.all_reduce_max) == originals
+
+
+def test_numerics_changing_mutants_say_when() -> None:
+    """The golden cells must kill every mutant that changes numerics (``runner --golden``); a
+    GPU-only one still says when it changes them."""
+    numerics = {m.name for m in catalogue.MUTANTS if m.numerics}
+    assert {"grads_summed_not_averaged", "clip_grad_norm_local_only", "fp8_amax_not_reduced",
+            "meta_init_rng_not_synchronised", "hsdp_outer_reduce_never"} <= numerics
+    assert "root_prefetch_skipped" not in numerics and "harness_rank0_outcome_only" not in numerics
+    assert all(m.numerics for m in catalogue.MUTANTS if m.numerics_gpu_only)
+
+
+def test_golden_gate_counts_survivors_that_change_numerics_here() -> None:
+    results = [{"name": "killed", "numerics": "always", "status": "killed"},
+               {"name": "missed", "numerics": "always", "status": "survived"},
+               {"name": "nccl", "numerics": "NCCL only", "numerics_gpu_only": True, "status": "survived"},
+               {"name": "traffic", "numerics": None, "status": "survived"}]
+    assert runner.numerics_gate(results, "cpu") == (["missed"], ["nccl"])
+    assert runner.numerics_gate(results, "h200") == (["missed", "nccl"], [])
