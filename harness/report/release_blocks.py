@@ -111,9 +111,9 @@ def compat_blocks(rep: Report) -> list[Block]:
         curve = "-" if r.golden is None else f"{_status(r.golden)}" + (
             f" ({r.golden.series[0].name} drift {drift_text(r.golden.series[0])})" if r.golden.series else "")
         rows.append([Code(r.fixture), r.check, r.case.run, r.case.outcome if r.ok else r.case.outcome.upper(), curve,
-                     Code(r.case.test_id), "" if r.ok else one_line_cause(r.case)])
+                     "" if r.ok else Md(f"`{r.case.test_id}`: {one_line_cause(r.case)}")])
     return out + [fold("Every checkpoint-compatibility test",
-                       Table(["fixture", "check", "run", "outcome", "continued curve", "test", "cause"], rows))]
+                       Table(["fixture", "check", "run", "outcome", "continued curve", "failure"], rows))]
 
 
 def _speed_row(r: SpeedRow) -> list[object]:

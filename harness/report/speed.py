@@ -198,10 +198,11 @@ def compare(result: BenchResult, baseline: dict[str, Any], baseline_path: str,
     known = {(str(b["size"]), str(b["impl"])) for b in baseline["cells"]}
     rows += [SpeedRow(c.size, c.impl, None, c, None, 0.0, None, NEW) for c in result.cells
              if (c.size, c.impl) not in known]
+    spread = (f"the baseline's {float(baseline['spread']):.1%}" if baseline.get("spread") else
+              f"none measured: the default {DEFAULT_SPREAD:.1%}")
     source = (f"--bench-threshold {threshold:g}" if threshold is not None else
-              f"{SPREAD_FACTOR:g} x the measured run-to-run spread of the ratio (the baseline's "
-              f"{'per-cell/' if any('spread' in b for b in baseline['cells']) else ''}"
-              f"{'spread' if baseline.get('spread') else f'none: default {DEFAULT_SPREAD:g}'})")
+              f"{SPREAD_FACTOR:g} x the measured run-to-run spread of the ratio (a cell's own where it has one, "
+              f"else {spread})")
     problems, notes = _comparable(result, baseline)
     view = SpeedView(result.path, baseline_path, baseline, result.meta, rows, source, problems, notes)
     for row in rows:

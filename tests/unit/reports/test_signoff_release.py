@@ -137,7 +137,9 @@ def test_html_draws_one_plot_per_drifting_cell_and_stays_self_contained(failing)
 def test_compat_section_and_summary_json(failing) -> None:
     rows = {r["fixture"]: r for r in table_rows(failing["md"], "## Checkpoint compatibility")}
     assert rows["`zero3`"]["outcome"] == "passed" and rows["`zero3`"]["continued curve"] == "match (loss drift 0)"
-    assert rows["`zero3, format 99`"]["outcome"] == "FAILED" and "DID NOT RAISE" in rows["`zero3, format 99`"]["cause"]
+    refused = rows["`zero3, format 99`"]
+    assert refused["outcome"] == "FAILED"
+    assert refused["failure"] == "`tests/functional/test_checkpoint_compat.py::test_refused`: DID NOT RAISE"
     data = failing["json"]
     assert {g["cell"]: g["status"] for g in data["golden"]} == {"zero3": "drift", "zero1": "missing",
                                                                 "hsdp": "no result", "zero2": "match",
