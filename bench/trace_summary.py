@@ -227,10 +227,11 @@ class RangeSet:
 
 def label_key(name: str, prefixes: Sequence[str]) -> str | None:
     """``Optimizer.step#AdamW.step`` -> ``Optimizer.step``; names under a prefix ending in ``:``
-    (``FSDP::all_gather``, ``nccl:all_gather``) stay whole."""
+    (``FSDP::all_gather``, ``nccl:all_gather``) stay whole, except a trailing unit name
+    (``FSDP::pre_forward (blocks.3)`` -> ``FSDP::pre_forward``: one row per phase)."""
     for p in prefixes:
         if name.startswith(p):
-            return name if p.endswith(":") else p
+            return name.split(" (", 1)[0] if p.endswith(":") else p
     return None
 
 

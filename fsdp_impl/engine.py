@@ -26,6 +26,13 @@ if TYPE_CHECKING:
     from .offload import ModelOffload
 
 
+def phase_label(phase: str, unit: FSDPUnit) -> str:
+    """The profiler label of one unit's phase, ``FSDP::pre_forward (blocks.3)``: a trace shows
+    which unit each gather, reduction and wait belongs to (``bench.trace_summary`` groups the
+    phases without the unit)."""
+    return f"FSDP::{phase} ({unit.name})"
+
+
 class FSDPEngine:
     """Drives the units of one model through forward, backward and grad sync."""
 
@@ -79,7 +86,7 @@ class FSDPEngine:
         self._stale = dict(zip(self.units, changed, strict=True))
 
     def pre_forward(self, unit: FSDPUnit) -> None:
-        with record_function("FSDP::pre_forward"):
+        with record_function(phase_label("pre_forward", unit)):
             self._pre_forward(unit)
 
     def in_recompute(self) -> bool:
@@ -137,7 +144,7 @@ class FSDPEngine:
                 "forward, where its params are sharded DTensors; call it from the unit's forward, or make it "
                 "a unit of its own (add its class to fsdp_unit_modules)")
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and not unit.is_unsharded:
-            with record_function("FSDP::pre_forward"):
+            with record_function(phase_label("pre_forward", unit)):
                 unit.unshard()
                 self._prefetch_after(unit, self._prev_order, +1)
             unit.swap_in()
@@ -150,7 +157,7 @@ class FSDPEngine:
         until the unit's post-backward. The forward order, prefetch and refresh are left alone."""
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
             if not unit.is_unsharded:
-                with record_function("FSDP::recompute_unshard"):
+                with record_function(phase_label("recompute_unshard", unit)):
                     unit.unshard(GatherPhase.RECOMPUTE)
             unit.regather_fp8_rowwise()
         unit.swap_in()
@@ -172,7 +179,7 @@ class FSDPEngine:
 
     def post_forward(self, unit: FSDPUnit, output: Any) -> None:
         """Swap the DTensor params back; ZeRO-3 frees non-root units until their backward."""
-        with record_function("FSDP::post_forward"):
+        with record_function(phase_label("post_forward", unit)):
             self._post_forward(unit, output)
 
     def _post_forward(self, unit: FSDPUnit, output: Any) -> None:
@@ -213,7 +220,7 @@ class FSDPEngine:
         if unit.state != TrainingState.POST_BACKWARD:
             unit.state = TrainingState.PRE_BACKWARD
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
-            with record_function("FSDP::pre_backward"):
+            with record_function(phase_label("pre_backward", unit)):
                 unit.storage.on_pre_backward()
                 unit.unshard(GatherPhase.BACKWARD)
                 self._prefetch_after(unit, self._order, -1)
@@ -247,7 +254,7 @@ class FSDPEngine:
         """Post-accumulate-grad hook target: stash the grad; reduce when the unit is complete."""
         self._ensure_callback()
         if unit.accept_grad(param, self.comm_dtype(unit)):
-            with record_function("FSDP::post_backward"):
+            with record_function(phase_label("post_backward", unit)):
                 unit.reduce_grads(self.sync, self.comm_dtype(unit))
                 if unit is not self.root:
                     unit.reshard()

@@ -119,7 +119,8 @@ def test_classification_by_kernel_name_only() -> None:
 def test_other_devices_are_ignored_and_labels_nest() -> None:
     b = TraceBuilder()
     b.host("ProfilerStep#1", 0, 100)
-    b.host("FSDP::pre_forward", 0, 50)
+    b.host("FSDP::pre_forward (blocks.0)", 0, 20)  # one unit's phase: grouped under the phase
+    b.host("FSDP::pre_forward (blocks.1)", 20, 50)
     b.host("FSDP::all_gather", 5, 15)
     b.gpu(AG, 0, 10, 20, 6)
     b.gpu("gemm", 10, 30, 7, 20)
