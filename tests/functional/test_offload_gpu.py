@@ -1,0 +1,183 @@
+"""CPU offload on a GPU (CUDA only; on CPU every case skips naming CUDA): resting device memory
+against closed-form sizes, the streamed step's window bound, and losses against no offload.
+
+Memory (``test_memory_gpu.py``'s model: 8 residual MLP blocks, bf16 compute, fp32 main params
+and grads, AdamW; ``S`` = the per-rank shard in elements). Without offload the device holds
+fp32 main params + fp32 grads = ``8 S`` after the wrap, ``+ 8 S`` moments after a step, ``12 S``
+after ``zero_grad()`` (which frees the grads). Offload moves bytes to the host and, with
+``params=False``, adds the device copy of the shard in the compute dtype (bf16: ``2 S``):
+
+| case | moved to the host | after wrap | after step | after zero_grad |
+|---|---|---|---|---|
+| ``gpu`` | main params, moments | 8S - 4S + 2S = 6S | 16S - 12S + 2S = 6S | 12S - 12S + 2S = 2S |
+| ``gpu_host_all`` | main params, moments, grads (no compute shard) | 0 | 0 | 0 |
+| ``gpu_state_only`` | moments | 8S | 16S - 8S = 8S | 12S - 8S = 4S |
+| ``cpu`` | main params, moments, grads | 2S | 2S | 2S |
+
+Step counters of torch's (non-fused) AdamW live on the host in every case. During the streamed
+step the device holds, above the resting level, the window (``WINDOW_SLOTS`` chunks of
+``chunk_bytes``) and the foreach kernel's one temporary per chunk (``sqrt(exp_avg_sq)``).
+All comparisons allow 1 MiB (the caching allocator's rounding), as ``test_memory_gpu.py``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fsdp_impl
+from fsdp_impl import checkpoint
+from fsdp_impl.offload_step import WINDOW_SLOTS
+from harness import matrix
+from tests.functional import matrix_axes as axes
+from tests.functional.common.checkpointing import K_SAVE, N_STEPS, Case, probe_forward, train_step
+from tests.functional.common.models import ResidualMLP
+from tests.functional.common.numerics import max_loss_error, model_relative_error
+from tests.functional.common.offload import OFFLOAD_CASES, full_tensor, policy, train, wrap_case
+
+pytestmark = [pytest.mark.requires_cuda]
+
+HIDDEN, LAYERS, BATCH = 2048, 8, 8
+MIB = 2**20
+SLACK = MIB
+CHUNK_BYTES = 32 * MIB
+# case -> (after wrap, after step, after zero_grad) in units of S bytes (the table above)
+RESTING = {None: (8, 16, 12), "gpu": (6, 6, 2), "gpu_host_all": (0, 0, 0), "gpu_state_only": (8, 8, 4),
+           "cpu": (2, 2, 2)}
+# step='cpu' on a GPU run: the host's fused Adam against the GPU's foreach Adam, then bf16
+# compute. The fp32 main params differ by rounding (~1e-7 relative per step); a bf16 cast that
+# rounds the other way moves one weight by 2^-8 relative, averaged over thousands in the loss.
+GPU_CPU_STEP_LOSS_RTOL = 1e-3
+
+
+class Block(ResidualMLP):
+    def __init__(self) -> None:
+        super().__init__(HIDDEN, 4 * HIDDEN)
+
+
+def _allocated(device: torch.device) -> int:
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
+def _warm_cublas(device: torch.device) -> None:
+    lin = nn.Linear(16, 16).to(device=device, dtype=torch.bfloat16)
+    lin(torch.randn(4, 16, device=device, dtype=torch.bfloat16)).sum().backward()
+
+
+@pytest.mark.distributed(world_size=1, timeout=600)
+@pytest.mark.parametrize("case", [None, "gpu", "gpu_host_all", "gpu_state_only", "cpu"])
+@pytest.mark.matrix(mesh=axes.mesh(1), zero="optim_grads_params", dtype="bf16", model="mlp",
+                    offload=lambda p: p["case"] or "none")
+def test_offload_resting_memory_matches_closed_form(case: str | None, dist_env) -> None:
+    device = dist_env.device
+    _warm_cublas(device)
+    base = _allocated(device)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(LAYERS)]).to(device=device, dtype=torch.bfloat16)
+    shard = sum(math.ceil(p.shape[0] / dist_env.world_size) * (p.numel() // p.shape[0]) for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    kwargs: dict[str, Any] = {}
+    if case is not None:
+        fields = dict(OFFLOAD_CASES[case])
+        if "chunk_bytes" in fields:  # the streamed cases: a window of a few MiB-sized chunks
+            fields["chunk_bytes"] = CHUNK_BYTES
+        kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(**fields)
+    model, optimizer = fsdp_impl.fully_shard(model, optimizer, zero_dp_strategy=3, fsdp_unit_modules=[Block], **kwargs)
+    wrap_s, step_s, rest_s = RESTING[case]
+
+    def used() -> int:
+        return _allocated(device) - base
+
+    def check(what: str, got: int, units: int) -> None:
+        assert abs(got - units * shard) <= SLACK, (
+            f"{case}: {what}: {got / MIB:.2f} MiB held, closed form {units} S = {units * shard / MIB:.2f} MiB")
+
+    check("after the wrap", used(), wrap_s)
+    gen = torch.Generator().manual_seed(1)
+    rests = []
+    for step in range(3):
+        x = torch.randn(BATCH, HIDDEN, generator=gen).to(device=device, dtype=torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        before = used()
+        torch.cuda.reset_peak_memory_stats(device)
+        optimizer.step()
+        peak = torch.cuda.max_memory_allocated(device) - base - before
+        if case is not None and OFFLOAD_CASES[case]["step"] == "gpu":
+            bound = WINDOW_SLOTS * CHUNK_BYTES + CHUNK_BYTES + SLACK
+            assert peak <= bound, (f"{case}: the streamed step peaked {peak / MIB:.1f} MiB above its start; window "
+                                   f"{WINDOW_SLOTS} x {CHUNK_BYTES / MIB:.0f} MiB + one temporary chunk")
+        check(f"step {step} after optimizer.step()", used(), step_s)
+        model.zero_grad()
+        rests.append(used())
+        check(f"step {step} after zero_grad()", rests[-1], rest_s)
+    assert max(rests) - min(rests) <= SLACK, f"{case}: resting memory drifts over steps: {rests}"
+
+
+OPTIMIZERS = {
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+    "adamw_fused": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
+    "fsdp_adamw_bf16_moments": lambda m: fsdp_impl.optim.AdamW(m.parameters(), lr=1e-3, exp_avg_dtype=torch.bfloat16,
+                                                               exp_avg_sq_dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.distributed(world_size=1, timeout=600)
+@pytest.mark.parametrize("optim", list(OPTIMIZERS))
+@pytest.mark.parametrize("case", ["gpu", "gpu_host_all", "gpu_state_only", "cpu"])
+@pytest.mark.matrix(mesh=axes.mesh(1), zero="optim_grads_params", dtype="bf16", model="gpt",
+                    offload=matrix.param("case"))
+def test_offload_losses_match_no_offload_on_gpu(case: str, optim: str, dist_env) -> None:
+    """A bf16 GPT (fp32 main params) with clipping: the streamed step's losses and params equal
+    no offload's bit for bit; step='cpu' within GPU_CPU_STEP_LOSS_RTOL (measured values printed)."""
+    device = dist_env.device
+    kwargs: dict[str, Any] = dict(zero_dp_strategy=3,
+                                  mixed_precision_policy=fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32))
+    norms: dict[str, list[float]] = {"ref": [], "off": []}
+
+    def clip(into: str) -> Any:
+        return lambda model, opt, step: norms[into].append(float(fsdp_impl.clip_grad_norm(model, 1.0)))
+
+    make_opt = OPTIMIZERS[optim]
+    gpt = dict(d=256, heads=4, layers=4)
+    ref = train("gpt", device, kwargs, steps=6, make_opt=make_opt, dtype=torch.bfloat16, before_step=clip("ref"),
+                **gpt)
+    off = train("gpt", device, dict(kwargs, offload_policy=policy(case, device)), steps=6, make_opt=make_opt,
+                dtype=torch.bfloat16, before_step=clip("off"), **gpt)
+    loss_err, param_err = max_loss_error(off[0], ref[0]), model_relative_error(off[1], ref[1])
+    print(f"MEASURED offload {case} {optim}: losses {loss_err:.3e} relative, params {param_err:.3e} relative")
+    if case == "cpu":
+        assert loss_err <= GPU_CPU_STEP_LOSS_RTOL
+        assert param_err <= GPU_CPU_STEP_LOSS_RTOL
+    else:
+        assert off[0] == ref[0] and norms["off"] == norms["ref"]
+        assert all(torch.equal(off[1][n], ref[1][n]) for n in ref[1]), "params differ from no offload"
+
+
+@pytest.mark.distributed(world_size=1, timeout=600)
+@pytest.mark.parametrize("saved,loaded", [("gpu", None), (None, "gpu"), ("cpu", "gpu_host_all")])
+@pytest.mark.matrix(mesh=axes.mesh(1), zero="optim", model="transformer", offload=lambda p: p["loaded"] or "none")
+def test_offload_checkpoint_round_trip_on_gpu(saved: str | None, loaded: str | None, dist_env, tmp_path) -> None:
+    """DCP with host-resident DTensor shards on a CUDA mesh: save offloaded, load not (and back),
+    train on like the uninterrupted run (bit for bit unless step='cpu' is on one side only)."""
+    device, case = dist_env.device, Case("transformer", "optim")
+    model, opt = wrap_case(case, device, 0, saved)
+    losses = []
+    for step in range(N_STEPS):
+        if step == K_SAVE:
+            checkpoint.save(tmp_path / "ckpt", model, opt)
+        losses.append(train_step(model, opt, case.model, step, device))
+    final = {n: full_tensor(p) for n, p in model.named_parameters()}
+    model, opt = wrap_case(case, device, 1234, loaded, lr=0.5)
+    probe_forward(model, case.model, device)
+    checkpoint.load(tmp_path / "ckpt", model, opt)
+    resumed = [train_step(model, opt, case.model, s, device) for s in range(K_SAVE, N_STEPS)]
+    got = {n: full_tensor(p) for n, p in model.named_parameters()}
+    if (saved == "cpu") == (loaded == "cpu"):
+        assert resumed == losses[K_SAVE:] and all(torch.equal(got[n], final[n]) for n in final)
+    else:
+        assert max_loss_error(resumed, losses[K_SAVE:]) <= GPU_CPU_STEP_LOSS_RTOL
