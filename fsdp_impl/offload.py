@@ -186,6 +186,8 @@ class UnitOffload:
         """The device tensor a gather of ``unit`` starts from (call on the gather stream): the
         compute shard, refreshed from the host if the main weights changed, or (``params=True``)
         a fresh device copy of the host main shard in its own dtype."""
+        if not self.policy.main_params:
+            return unit.weight.data
         if self.compute_shard is None:
             return self._to_device(unit.weight.data)
         version = unit.version_signature()

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import increment_version
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import _get_scalar_dtype  # Adam's step-counter dtype (torch's own rule)
 
 from .decoupled import read_grad
 from .device import host_device, synchronize
@@ -187,10 +188,7 @@ class OffloadedAdamStep:
         entries: list[StreamEntry] = []
         units: list[FSDPUnit] = []
         decoupled = bool(getattr(self.optimizer, "use_decoupled_grad", False))
-        base = 0
         for gi, group in enumerate(self.optimizer.param_groups):
-            self._init_state(group, base)
-            base += len(group["params"])
             for p in group["params"]:
                 grad = read_grad(p, decoupled)
                 if grad is None:
@@ -198,10 +196,13 @@ class OffloadedAdamStep:
                 if id(p) not in self.owner:
                     raise ValueError("offload_policy: the optimizer holds a parameter that is not a trainable "
                                      "parameter of an offloaded model")
-                if torch.is_complex(p):
-                    raise ValueError("offload_policy=OffloadPolicy(step='gpu') does not support complex parameters")
+                if torch.is_complex(p) or grad.is_sparse:
+                    raise ValueError("offload_policy=OffloadPolicy(step='gpu') supports dense real parameters "
+                                     "and grads only")
                 unit, mp = self.owner[id(p)]
                 state = self.optimizer.state[p]
+                if len(state) == 0:
+                    self._init_state(group, p, unit, mp)
                 tensors = {PARAM: local_tensor(p).view(-1), GRAD: local_tensor(grad).reshape(-1)}
                 for key in STATE_KEYS:
                     if key in state:
@@ -213,12 +214,25 @@ class OffloadedAdamStep:
                     units.append(unit)
         return entries, units
 
-    def _init_state(self, group: dict[str, Any], base: int) -> None:
-        """The optimizer's own lazy state creation (and its grad checks) for ``group``."""
+    def _init_state(self, group: dict[str, Any], p: torch.Tensor, unit: FSDPUnit, mp: ManagedParam) -> None:
+        """The state the optimizer's lazy init would create (same keys, dtypes and step counter),
+        with the moments zeroed in place in the unit's flat buffers: creating them where the
+        optimizer would (next to the param) and copying them over would briefly need a second
+        copy, on the device when the main params stay there."""
+        state = self.optimizer.state[p]
+        fused, capturable = bool(group.get("fused")), bool(group.get("capturable"))
+        param_device = local_tensor(p).device
         if _is_torch_adam(self.cls):
-            self.optimizer._init_group(group, [], [], [], [], [], [])  # type: ignore[attr-defined]
+            state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=param_device)
+                             if fused or capturable else torch.tensor(0.0, dtype=_get_scalar_dtype()))
         else:
-            self.optimizer._gather(group, base)  # type: ignore[attr-defined]
+            state["step"] = (torch.zeros((), dtype=torch.float32, device=param_device) if fused or capturable
+                             else torch.tensor(0.0, dtype=torch.float32))
+        for key in STATE_KEYS if group["amsgrad"] else STATE_KEYS[:2]:
+            dtype = self.optimizer._moment_dtype(key, p) if _is_fsdp_adam(self.cls) else p.dtype  # type: ignore[attr-defined]
+            view = self._arena(unit, key, dtype)[self._span(unit, mp)]
+            view.zero_()
+            state[key] = unit.ctx.plan.wrap(view.view(local_tensor(p).shape), mp.tp, mp.shape)
 
     def _adopt(self, unit: FSDPUnit, mp: ManagedParam, state: dict[str, Any], key: str) -> torch.Tensor:
         """Param ``mp``'s ``state[key]`` as a view of the unit's flat buffer for ``key`` (host
@@ -227,8 +241,7 @@ class OffloadedAdamStep:
         value = state[key]
         local = local_tensor(value)
         arena = self._arena(unit, key, local.dtype)
-        offset = self._offsets(unit)[mp.grad_slot]
-        view = arena[offset: offset + local.numel()]
+        view = arena[self._span(unit, mp)]
         same_storage = local.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
         if local.data_ptr() != view.data_ptr() or not same_storage:
             with torch.no_grad():
@@ -236,6 +249,11 @@ class OffloadedAdamStep:
             shaped = view.view(local.shape)
             state[key] = unit.ctx.plan.wrap(shaped, mp.tp, mp.shape) if isinstance(value, DTensor) else shaped
         return view
+
+    def _span(self, unit: FSDPUnit, mp: ManagedParam) -> slice:
+        """Where param ``mp``'s state lies in its unit's flat state buffers."""
+        offsets = self._offsets(unit)
+        return slice(offsets[mp.grad_slot], offsets[mp.grad_slot + 1])
 
     def _offsets(self, unit: FSDPUnit) -> list[int]:
         offsets = self.offsets.get(id(unit))
