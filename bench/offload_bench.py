@@ -1,0 +1,261 @@
+"""CPU-offload benchmark on one GPU (issue 28): ours with ``OffloadPolicy(step="gpu")`` and
+``step="cpu"``, ours without offload, FSDP2 with and without ``CPUOffloadPolicy``; each cell in a
+fresh process, side by side in one run.
+
+Standalone on purpose (``bench/`` is being turned into the ``bench.suite`` package; this only
+imports ``bench.gpt``'s model). Usage, on a machine with one GPU::
+
+    python bench/offload_bench.py --size 1.3b                      # the default cells, 1.3B
+    python bench/offload_bench.py --size 7b --cells ours-gpu,fsdp2-offload
+    python bench/offload_bench.py --bandwidth                      # pinned H2D / D2H GB/s only
+
+Per cell: tokens/s over the measured steps, the step split into forward+backward and optimizer
+step (host-synchronised at each boundary), peak device memory (``max_memory_allocated`` over the
+measured steps), device memory at rest after ``zero_grad``, and first/last loss. With
+``--bandwidth`` (or always, with ``--report-limit``) the pinned copy bandwidth is measured and each
+offloaded cell's optimizer step is put against the bytes its step must move over PCIe divided by
+that bandwidth (``offload_bytes``). Results: one JSON line per cell on stdout and a Markdown table;
+``--out`` writes the JSON list.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.gpt import GPT, Block, GPTConfig  # noqa: E402
+
+SIZES = {
+    "tiny": GPTConfig(vocab=512, hidden=64, layers=2, heads=4, seq=64),
+    "1.3b": GPTConfig(hidden=2048, layers=24, heads=16),
+    "2.7b": GPTConfig(hidden=2560, layers=32, heads=32),
+    "7b": GPTConfig(hidden=4096, layers=32, heads=32),
+    "13b": GPTConfig(hidden=5120, layers=40, heads=40),
+}
+CELLS = {
+    "ours": "fsdp_impl ZeRO-3, bf16 module, fp32 main params and grads, torch AdamW (foreach), no offload",
+    "ours-gpu": "as ours + OffloadPolicy() (step='gpu': main params + moments on the host, streamed step)",
+    "ours-gpu-hostall": "as ours + OffloadPolicy(params=True, grads=True) (nothing rests on the device)",
+    "ours-cpu": "as ours + OffloadPolicy(step='cpu') (host step, torch's fused CPU AdamW)",
+    "fsdp2": "torch fully_shard per block + root, fp32 module, param bf16 / reduce fp32, AdamW (foreach)",
+    "fsdp2-offload": "as fsdp2 + CPUOffloadPolicy(pin_memory=True), AdamW default (CPU: single-tensor)",
+    "fsdp2-offload-fused": "as fsdp2-offload with AdamW(fused=True) (torch's fused CPU kernel)",
+}
+DEFAULT_CELLS = ("ours", "ours-gpu", "ours-gpu-hostall", "ours-cpu", "fsdp2", "fsdp2-offload", "fsdp2-offload-fused")
+LR = 1e-4
+GIB = 2**30
+
+
+def num_params(cfg: GPTConfig) -> int:
+    h = cfg.hidden
+    return cfg.vocab * h + cfg.seq * h + cfg.layers * (12 * h * h + 13 * h) + 2 * h
+
+
+def offload_bytes(cell: str, n: int) -> tuple[int, int]:
+    """(H2D, D2H) bytes one training step of ``cell`` moves between host and device, per rank of
+    1, fp32 main params/grads/moments, bf16 compute, ZeRO-3 (two gathers per step)."""
+    if cell == "ours-gpu":  # window: main + 2 moments in, main + 2 moments out; gathers from the device shard
+        return 12 * n, 12 * n
+    if cell == "ours-gpu-hostall":  # window also streams the grads in; grads down after backward; 2 gathers from host
+        return 16 * n + 2 * 4 * n, 12 * n + 4 * n
+    if cell == "ours-cpu":  # grads down; the bf16 compute shard refreshed once per step (fp32 up)
+        return 4 * n, 4 * n
+    if cell.startswith("fsdp2-offload"):  # fp32 sharded params up for each of 2 gathers, grads down
+        return 2 * 4 * n, 4 * n
+    return 0, 0
+
+
+# ----------------------------------------------------------------------------------- one cell
+def _init() -> torch.device:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    port = int(os.environ.get("OFFLOAD_BENCH_PORT", "29561"))
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return torch.device("cuda", 0)
+
+
+def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    import fsdp_impl
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        module = GPT(cfg)
+    if cell.startswith("ours"):
+        module = module.to(torch.bfloat16)
+        kwargs: dict[str, Any] = {}
+        if cell == "ours-gpu":
+            kwargs["offload_policy"] = fsdp_impl.OffloadPolicy()
+        elif cell == "ours-gpu-hostall":
+            kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(params=True, grads=True)
+        elif cell == "ours-cpu":
+            kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu")
+        policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+        opt = torch.optim.AdamW(module.parameters(), lr=LR)
+        return fsdp_impl.fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=3,
+                                     mixed_precision_policy=policy, **kwargs)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("dp",))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=True) if cell.startswith("fsdp2-offload") else OffloadPolicy()
+    for blk in module.blocks:
+        fully_shard(blk, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fused = True if cell == "fsdp2-offload-fused" else None
+    return module, torch.optim.AdamW(module.parameters(), lr=LR, fused=fused)
+
+
+def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int) -> dict[str, Any]:
+    device = _init()
+    cfg = SIZES[size]
+    model, opt = _build(cell, cfg, device)
+    gen = torch.Generator(device=device).manual_seed(1234)
+    tokens = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq + 1), device=device, generator=gen)
+    inputs, target = tokens[:, :-1], tokens[:, 1:]
+    losses: list[float] = []
+    fwd_bwd: list[float] = []
+    step_times: list[float] = []
+    totals: list[float] = []
+    for i in range(warmup + steps):
+        if i == warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(inputs).float().view(-1, cfg.vocab), target.reshape(-1))
+        loss.backward()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        losses.append(loss.item())
+        if i >= warmup:
+            fwd_bwd.append(t1 - t0)
+            step_times.append(t2 - t1)
+            totals.append(t2 - t0)
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    return {
+        "cell": cell, "size": size, "params": num_params(cfg), "micro_batch": micro_batch, "seq": cfg.seq,
+        "tokens_per_s": micro_batch * cfg.seq / median(totals), "step_ms": 1e3 * median(totals),
+        "fwd_bwd_ms": 1e3 * median(fwd_bwd), "opt_ms": 1e3 * median(step_times),
+        "peak_gib": torch.cuda.max_memory_allocated() / GIB, "rest_gib": torch.cuda.memory_allocated() / GIB,
+        "loss_first": losses[0], "loss_last": losses[-1], "status": "ok",
+    }
+
+
+# -------------------------------------------------------------------------------- bandwidth
+def bandwidth(gib: float = 1.0, repeat: int = 5) -> dict[str, float]:
+    """Pinned host <-> device copy bandwidth in GB/s: H2D, D2H, and both at once on two streams."""
+    n = int(gib * GIB) // 4
+    host = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    host2 = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.float32, device="cuda")
+    dev2 = torch.empty(n, dtype=torch.float32, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def timed(fn: Any) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / repeat
+
+    def both() -> None:
+        with torch.cuda.stream(s1):
+            dev.copy_(host, non_blocking=True)
+        with torch.cuda.stream(s2):
+            host2.copy_(dev2, non_blocking=True)
+
+    nbytes = n * 4
+    return {"h2d_gbps": nbytes / timed(lambda: dev.copy_(host, non_blocking=True)) / 1e9,
+            "d2h_gbps": nbytes / timed(lambda: host2.copy_(dev2, non_blocking=True)) / 1e9,
+            "duplex_each_gbps": nbytes / timed(both) / 1e9}
+
+
+# ----------------------------------------------------------------------------------- driver
+def _spawn(cell: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--one", cell, "--size", args.size, "--micro-batch", str(args.micro_batch),
+           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    status = "OOM" if "OutOfMemoryError" in proc.stderr or "out of memory" in proc.stderr else "error"
+    return {"cell": cell, "size": args.size, "status": status, "detail": " | ".join(tail)}
+
+
+def _table(rows: list[dict[str, Any]], bw: dict[str, float] | None) -> str:
+    head = ("| cell | tokens/s | step ms | fwd+bwd ms | opt ms | peak GiB | rest GiB | loss first/last "
+            "| step's host<->device bytes / duplex bandwidth, ms |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['cell']} | {r.get('status')} | | | | | | | {r.get('detail', '')[:80]} |")
+            continue
+        bound = ""
+        if bw is not None:
+            h2d, d2h = offload_bytes(r["cell"], r["params"])
+            if h2d or d2h:
+                bound = f"{1e3 * max(h2d / (bw['duplex_each_gbps'] * 1e9), d2h / (bw['duplex_each_gbps'] * 1e9)):.0f}"
+        lines.append(f"| {r['cell']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.0f} | {r['fwd_bwd_ms']:.0f} | "
+                     f"{r['opt_ms']:.0f} | {r['peak_gib']:.2f} | {r['rest_gib']:.2f} | "
+                     f"{r['loss_first']:.3f}/{r['loss_last']:.3f} | {bound} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="1.3b", choices=sorted(SIZES))
+    parser.add_argument("--cells", default=",".join(DEFAULT_CELLS))
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
+    parser.add_argument("--bandwidth", action="store_true", help="only measure pinned copy bandwidth")
+    parser.add_argument("--report-limit", action="store_true", help="also measure bandwidth and the PCIe bound")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_cell(args.one, args.size, args.micro_batch, args.warmup, args.steps)), flush=True)
+        return
+    bw = bandwidth() if args.bandwidth or args.report_limit else None
+    if bw is not None:
+        print(json.dumps({"bandwidth": bw}), flush=True)
+    if args.bandwidth:
+        return
+    rows = []
+    for cell in args.cells.split(","):
+        if cell not in CELLS:
+            raise SystemExit(f"unknown cell {cell!r}; allowed: {', '.join(CELLS)}")
+        rows.append(_spawn(cell, args))
+        print(json.dumps(rows[-1]), flush=True)
+    print(_table(rows, bw))
+    for cell in args.cells.split(","):
+        print(f"- {cell}: {CELLS[cell]}")
+    if args.out is not None:
+        args.out.write_text(json.dumps({"bandwidth": bw, "cells": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
