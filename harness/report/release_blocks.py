@@ -170,8 +170,9 @@ def golden_mutant_blocks(rep: Report) -> list[Block]:
             f"`python -m tests.mutants.runner --golden`, on {gen}): {killed} of {len(muts)} killed. "
             f"Mutants that change numerics on {gen} ({len(numerics)}): {verdict}.")
     if gpu_only:
-        text += (" Numbers that change only on GPUs (not measurable on cpu): "
-                 + ", ".join(f"`{n}`" for n in gpu_only) + ".")
+        status = {m.get("name"): m.get("status", "?") for m in muts}
+        text += (" Numbers that change only on GPUs (not counted on cpu): "
+                 + ", ".join(f"`{n}` ({status[n]})" for n in gpu_only) + ".")
     return [Heading(3, "Golden cells alone"), Para(text),
             fold("Every mutant", Table(["mutant", "bug class", "changes numerics", "golden cells", "killed by",
                                         "reason"], rows))]

@@ -175,7 +175,7 @@ def _golden_verdict(summary: dict[str, Any], results: list[dict[str, Any]], gen:
     print(f"mutants: golden cells on {gen}: {summary['killed']} of {summary['total']} killed; numerics-changing "
           f"{len(gated) - len(survivors)} of {len(gated)} killed"
           + (f", SURVIVED: {', '.join(survivors)}" if survivors else "")
-          + (f" (numbers change only on GPUs: {', '.join(gpu_only)})" if gpu_only else "")
+          + (f" (numbers change only on GPUs, not counted: {', '.join(gpu_only)})" if gpu_only else "")
           + f" -> {out / 'summary.json'}")
     return 1 if survivors else 0
 

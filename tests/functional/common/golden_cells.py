@@ -10,10 +10,15 @@ Runs use one intra-op thread, so a CPU result does not depend on the machine's c
 Together the cells cover the matrix axes: ZeRO 0-3, HSDP and HFSDP, CP and TP meshes, bf16
 compute with fp32 main params, decoupled grads with the precision-aware AdamW (bf16 moments),
 activation recompute, and the torch-native FP8 recipes (``GPU_CELLS`` add TransformerEngine
-recipes on GPUs; ``GPU_CELLS`` run at world 1). ``zero3_meta_init`` builds the model on the meta
-device, so the golden cells see meta-init bugs too (an RNG that differs per rank or repeats per
-shard changes the weights; ``python -m tests.mutants.runner --golden``); its numbers equal
-``zero3``'s, meta init being bit-identical to eager init.
+recipes on GPUs; ``GPU_CELLS`` run at world 1). Three cells exist so that the golden cells see
+bug classes of training patterns the others do not use (``python -m tests.mutants.runner
+--golden``): ``zero3_meta_init`` builds the model on the meta device (an RNG that differs per rank
+or repeats per shard changes the weights; its numbers equal ``zero3``'s, meta init being
+bit-identical to eager init); ``zero2_layer_drop`` skips a block in every third forward (layer
+drop: a ZeRO-1/2 refresh gather prefetched for a unit that did not run must not be used after the
+next step); ``zero3_hand_grad`` zeroes grads with ``set_to_none=False`` and adds a hand-written
+weight-decay gradient into ``.grad`` before each backward (the reduction must add to it, not
+overwrite it).
 """
 from __future__ import annotations
 
@@ -29,16 +34,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_impl
+from fsdp_impl.placement import local_tensor
 
 from . import fp8_training
 from .mesh import data_group, data_position, seed_kwargs, seed_mesh
-from .models import build_model, loss_fn, make_batch, unit_classes
+from .models import SmallGPT, build_model, loss_fn, make_batch, unit_classes
 from .recompute import RecomputeBlock, build_net
 
 STEPS = 20
 CLIP = 1.0
 LOCAL_BATCH = 2
 LR = 1e-2
+HAND_DECAY = 1e-2  # zero3_hand_grad: the weight-decay gradient added into .grad by hand
 # A deliberate learning-rate perturbation for the whole run (e.g. ``1.000001``): the sign-off's
 # acceptance test proves a 1e-6 change drifts. Never honoured under --golden-update (it would write
 # perturbed golden files).
@@ -51,7 +58,7 @@ class Cell:
 
     name: str
     world: int
-    model: str = "gpt"  # "gpt" (tied embedding), "recompute" (inside-unit recompute), "fp8", "te" (GPU)
+    model: str = "gpt"  # "gpt" (tied embedding), "gpt_layer_drop", "recompute" (inside-unit recompute), "fp8", "te"
     zero: int = 3
     mesh: tuple[int, int, int, int] | None = None
     outer: str | None = None
@@ -59,6 +66,7 @@ class Cell:
     optimizer: str = "adam"  # "adam": torch Adam; "adamw_decoupled": fsdp_impl AdamW, decoupled grads, bf16 moments
     recipe: str | None = None  # FP8 recipe (model "fp8": torch-native; "te": TransformerEngine's)
     meta_init: bool = False  # build on the meta device, materialised shard by shard (model "gpt")
+    hand_grad: bool = False  # zero_grad(set_to_none=False), then a gradient added into .grad by hand
 
 
 CELLS = (
@@ -70,6 +78,8 @@ CELLS = (
     Cell("zero3_decoupled_adamw", 2, optimizer="adamw_decoupled"),
     Cell("zero3_recompute", 2, model="recompute"),
     Cell("zero3_meta_init", 2, meta_init=True),
+    Cell("zero2_layer_drop", 2, zero=2, model="gpt_layer_drop"),
+    Cell("zero3_hand_grad", 2, hand_grad=True),
     Cell("fp8_current", 2, model="fp8", recipe="current"),
     Cell("fp8_delayed", 2, model="fp8", recipe="delayed"),
     Cell("fp8_blockwise", 2, model="fp8", recipe="blockwise"),
@@ -89,6 +99,20 @@ GPU_CELLS = (
     Cell("gpu_te_block", 1, model="te", recipe="block"),
     Cell("gpu_te_delayed", 1, model="te", recipe="delayed"),
 )
+
+
+class LayerDropGPT(SmallGPT):
+    """``SmallGPT`` whose forward skips block ``drop`` when it is set: a unit some forwards do not run."""
+
+    drop: int | None = None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for i, block in enumerate(self.blocks):
+            if i != self.drop:
+                x = block(x)
+        return F.linear(self.norm(x), self.tok.weight)
 
 
 @contextlib.contextmanager
@@ -125,7 +149,11 @@ def _build(cell: Cell, device: torch.device) -> tuple[nn.Module, list[type[nn.Mo
             return (torch.randn(LOCAL_BATCH, 4, 3, generator=gen).to(cell.dtype),), torch.randn(
                 LOCAL_BATCH, 4, 2, generator=gen)
         return model, [RecomputeBlock], recompute_batch, lambda out, y: F.mse_loss(out.float(), y)
-    model = build_model("gpt", cell.dtype, seed=0, device="meta" if cell.meta_init else None)
+    if cell.model == "gpt_layer_drop":
+        torch.manual_seed(0)  # as build_model does
+        model: nn.Module = LayerDropGPT(dtype=cell.dtype)
+    else:
+        model = build_model("gpt", cell.dtype, seed=0, device="meta" if cell.meta_init else None)
 
     def gpt_batch(step: int, slot: int, slots: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         inputs, target = make_batch("gpt", LOCAL_BATCH * slots, seed=1000 + step)
@@ -204,10 +232,23 @@ def start_cell(cell: Cell, device: torch.device, lr_scale: float = 1.0) -> CellR
     return CellRun(cell, wrapped, opt, batch, loss, _te_autocast(cell), slot, slots, device)
 
 
+def _before_forward(run: CellRun, step: int) -> None:
+    """Layer drop (block 1 in every third forward) and the hand-written weight-decay gradient."""
+    module = run.model.module
+    if isinstance(module, LayerDropGPT):
+        module.drop = 1 if step % 3 == 1 else None
+    if run.cell.hand_grad:
+        with torch.no_grad():
+            for p in run.model.parameters():
+                if p.grad is not None:  # from the second step on (zero_grad keeps the buffers)
+                    local_tensor(p.grad).add_(local_tensor(p), alpha=HAND_DECAY)
+
+
 def train_steps(run: CellRun, steps: range) -> dict[str, list[float]]:
     """Train ``steps`` (the step numbers pick the data); the per-step series a golden file keeps."""
     series: dict[str, list[float]] = {"loss": [], "grad_norm": [], "param_checksum": []}
     for step in steps:
+        _before_forward(run, step)
         inputs, target = run.batch(step, run.slot, run.slots)
         with run.autocast():
             out = run.model(*(x.to(run.device) for x in inputs))
@@ -218,7 +259,7 @@ def train_steps(run: CellRun, steps: range) -> dict[str, list[float]]:
         series["loss"].append(total.item() / dist.get_world_size())
         series["grad_norm"].append(float(fsdp_impl.clip_grad_norm(run.model, CLIP)))
         run.opt.step()
-        run.opt.zero_grad()
+        run.opt.zero_grad(set_to_none=not run.cell.hand_grad)
         series["param_checksum"].append(_param_checksum(run.model))
     return series
 

@@ -188,7 +188,7 @@ def test_golden_mutants_are_reported_apart_and_noted(tmp_path, capsys) -> None:
     assert "- note: numerics-changing mutant(s) the golden cells do not kill: `grad_write_lost`" in md
     mutation = section(md, "## Mutation testing")
     assert ("on cpu): 1 of 4 killed. Mutants that change numerics on cpu (2): NOT killed: `grad_write_lost`. "
-            "Numbers that change only on GPUs (not measurable on cpu): `wrong_chunk`.") in mutation
+            "Numbers that change only on GPUs (not counted on cpu): `wrong_chunk` (survived).") in mutation
     rows = {r["mutant"]: r for r in table_rows(md, "### Golden cells alone")}
     assert rows["`wrong_chunk`"]["changes numerics"] == "NCCL only (GPU only)"
     assert rows["`traffic_only`"]["changes numerics"] == "no"
