@@ -119,17 +119,27 @@ def offloaded_step(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine], 
         result = own_step(*args, **kwargs)
         mark_weights_changed(engines)
         return result
-    closure = args[0] if args else kwargs.get("closure")
+    runner = optimizer.__dict__.get(_RUNNER_ATTR)
+    if runner is None or runner.engines != engines:  # first step, or models were bound since
+        runner = OffloadedAdamStep(optimizer, list(engines), policy, device)
+        optimizer.__dict__[_RUNNER_ATTR] = runner
+    return _hooked_streamed_step(optimizer, *args, **kwargs)
+
+
+def _streamed_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    """``step="gpu"``: the closure (if any), then the streamed step in place of the optimizer's
+    (called with the arguments of ``optimizer.step``, so step hooks see what they expect)."""
     loss = None
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
-    runner = optimizer.__dict__.get(_RUNNER_ATTR)
-    if runner is None:
-        runner = OffloadedAdamStep(optimizer, engines, policy, device)
-        optimizer.__dict__[_RUNNER_ATTR] = runner
-    runner.step(engines)
+    optimizer.__dict__[_RUNNER_ATTR].step()
     return loss
+
+
+# torch's step wrapper: the optimizer's step pre/post hooks (and the global ones) and the profiler
+# label run around the streamed step exactly as around the optimizer's own step.
+_hooked_streamed_step = torch.optim.Optimizer.profile_hook_step(_streamed_step)
 
 
 def mark_weights_changed(engines: list[FSDPEngine]) -> None:
@@ -161,11 +171,12 @@ class OffloadedAdamStep:
         streamed = set(STATE_KEYS) if policy.optimizer_state else set()
         streamed |= {PARAM} if policy.main_params else set()
         streamed |= {GRAD} if policy.grads_on_host else set()
+        self.engines = engines
         self.core = StreamedStep(device, streamed, policy.chunk_bytes, policy.pin_memory,
                                  streams or StepStreams.for_device(device))
 
     # ---------------------------------------------------------------------- step
-    def step(self, engines: list[FSDPEngine]) -> None:
+    def step(self) -> None:
         entries, units = self._entries()
         fresh = [u for u in units if u.offload is not None and u.offload.shard_is_fresh(u)]
         for entry in entries:  # only fresh compute shards are kept fresh; stale ones refresh at the gather
@@ -178,7 +189,7 @@ class OffloadedAdamStep:
         with torch.no_grad():
             for entry in entries:
                 entry.extra["step"].add_(1)
-        mark_weights_changed(engines)
+        mark_weights_changed(self.engines)
         for unit in fresh:
             assert unit.offload is not None
             unit.offload.mark_shard_fresh(unit)

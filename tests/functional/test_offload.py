@@ -51,6 +51,8 @@ from tests.functional.common.offload import (
     window,
     wrap_case,
 )
+from tests.functional.common.recompute import RecomputeBlock, assert_bit_identical, build_net
+from tests.functional.common.recompute import train as train_recompute
 
 pytestmark = [pytest.mark.matrix(model="gpt", dtype="fp32")]
 CASES = tuple(OFFLOAD_CASES)
@@ -76,7 +78,7 @@ def _streamed_chunks(opt: Any) -> int:
 
 # ---------------------------------------------------------------------------------- parity
 @pytest.mark.distributed(world_size=2, timeout=300)
-@pytest.mark.parametrize("strategy", [1, 2, 3], ids=["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", [0, 1, 2, 3], ids=["zero0", "zero1", "zero2", "zero3"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.matrix(mesh=axes.mesh(2), zero=matrix.param("strategy", axes.zero), offload=matrix.param("case"))
 def test_offload_matches_no_offload(case: str, strategy: int, dist_env) -> None:
@@ -129,6 +131,25 @@ def test_offload_hsdp(case: str, outer: str, dist_env) -> None:
     with window(device):
         losses, final, _, _ = train("cnn", device, dict(kwargs, offload_policy=policy(case, device)), steps=4)
     _compare(case, losses, ref_losses, final, ref_final, f"{case}, outer {outer}")
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.parametrize("style", ["inside", "wrapper"])
+@pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params", model="mlp", recompute=matrix.param("style"),
+                    offload="gpu_host_all")
+def test_offload_with_activation_recompute(style: str, dist_env) -> None:
+    """Recompute re-gathers a unit from its host shard inside the backward: with offload and
+    recompute, losses, every step's grads and the params equal the run with neither."""
+    device = dist_env.device
+    records = {}
+    for name, recompute, offload in (("plain", "none", None), ("both", style, policy("gpu_host_all", device))):
+        net = build_net(recompute)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        with window(device):
+            model, opt = fsdp_impl.fully_shard(net, opt, fsdp_unit_modules=[RecomputeBlock], zero_dp_strategy=3,
+                                               offload_policy=offload)
+            records[name] = train_recompute(model, opt, 3, 2, device)
+    assert_bit_identical(records["both"], records["plain"], f"offload + recompute {style}")
 
 
 # ------------------------------------------------------------- decoupled grads, clipping
