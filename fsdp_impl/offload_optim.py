@@ -98,7 +98,8 @@ def prepare_host_step(optimizer: torch.optim.Optimizer, policy: OffloadPolicy) -
 def offload_policy_of(engines: list[FSDPEngine]) -> OffloadPolicy | None:
     """The one offload policy of the models an optimizer steps (None: none offloads); models
     with different policies (or offloaded and not) cannot share an optimizer."""
-    policies = [e.offload.policy if e.offload is not None else None for e in engines]
+    offloads = [getattr(e, "offload", None) for e in engines]
+    policies = [o.policy if o is not None else None for o in offloads]
     if not policies or all(p is None for p in policies):
         return None
     if any(p != policies[0] for p in policies):
