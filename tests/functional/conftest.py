@@ -56,6 +56,9 @@ L0_CELLS = (
     "test_mesh_tp_dtensor.py::test_tp_dtensor_world2[3]",
     "test_mesh_world2.py::test_hsdp_world2[optim_grads_params]",
     "test_mesh_world2.py::test_plain_fsdp_world2[no_shard]",
+    # across nodes (4 ranks under plain pytest, the job's world under a multi-node torchrun): DCP
+    # save and resume through one shared directory, the HSDP outer dimension across the nodes
+    "test_multinode.py::test_checkpoint_resume_across_nodes[optim_grads_params-outer_optim]",
     # parity with a single-process reference (SGD: catches a sum instead of an average)
     "test_parity.py::test_parity_world2[optim_grads_params-cnn-fp32-mb1-eager]",
     # drop-in arguments: grads against a reference (the default pre-division, then SUM)
