@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any, Literal
 
 import pytest
@@ -86,21 +87,32 @@ def _state(rep: pytest.TestReport | None) -> str:
     return rep.outcome if rep is not None else "missing"
 
 
-def _rank_block(rank: int, rep: pytest.TestReport, cause: bool) -> str:
+def plain_label(rank: int) -> str:
+    return f"rank {rank}"
+
+
+def _rank_block(label: str, rank: int, rep: pytest.TestReport, cause: bool, where: str = "") -> str:
     tag = " (cause)" if cause else ""
-    parts = [f"{'=' * 20} rank {rank}{tag}: {rep.when} {rep.outcome} {'=' * 20}", rep.longreprtext]
+    parts = [f"{'=' * 20} {label}{tag}: {rep.when} {rep.outcome} {'=' * 20}"] + ([where] if where else []) \
+        + [rep.longreprtext]
     for title, content in rep.sections:
         parts.append(f"{'-' * 10} {title} [rank {rank}] {'-' * 10}\n{content.rstrip()}")
     return "\n".join(parts)
 
 
 class ReportBuilder:
-    """Builds the controller-side reports of one distributed item."""
+    """Builds the controller-side reports of one distributed item. ``rank_label`` names a rank in
+    messages (torchrun across nodes: with its node, host and local rank); ``rank_where``, when
+    given, adds a line on where a failing rank ran to its block."""
 
-    def __init__(self, item: pytest.Item, world_size: int, outcome: TestOutcome) -> None:
+    def __init__(self, item: pytest.Item, world_size: int, outcome: TestOutcome,
+                 rank_label: Callable[[int], str] = plain_label,
+                 rank_where: Callable[[int], str] | None = None) -> None:
         self.item = item
         self.world_size = world_size
         self.outcome = outcome
+        self.label = rank_label
+        self.where = rank_where or (lambda rank: "")
         config = item.config
         self.per_rank = {r: _rank_reports(config, p) for r, p in outcome.payloads.items()}
         self.errors = {r: p["error"] for r, p in outcome.payloads.items() if p.get("error")}
@@ -122,7 +134,7 @@ class ReportBuilder:
     def rank_state(self, rank: int) -> str:
         """The rank's outcome, ``died`` for the rank whose death ended the test."""
         fault = self.outcome.fault
-        if fault is not None and rank == fault.cause_rank and fault.kind == "died":
+        if fault is not None and fault.kind == "died" and (rank == fault.cause_rank or rank in fault.dead_ranks):
             return "died"
         return self.rank_outcome(rank)
 
@@ -206,13 +218,14 @@ class ReportBuilder:
         first_msg = ""
         for i, r in enumerate(failing):
             if r in self.errors:
-                blocks.append(f"{'=' * 20} rank {r}: {self.errors[r]}")
+                blocks.append(f"{'=' * 20} {self.label(r)}: {self.errors[r]}")
                 first_msg = first_msg or self.errors[r]
             else:
                 rep = reps[r]
                 assert rep is not None
-                blocks.append(_rank_block(r, rep, cause=(i == 0 and len(failing) > 1)))
-                first_msg = first_msg or f"[rank {r}] {_crash_line(rep)}"
+                blocks.append(_rank_block(self.label(r), r, rep, cause=(i == 0 and len(failing) > 1),
+                                          where=self.where(r)))
+                first_msg = first_msg or f"[{self.label(r)}] {_crash_line(rep)}"
         if not failing:
             first_msg = f"ranks disagree on the {when} outcome: " + ", ".join(
                 f"rank {r}={_state(reps.get(r))}" for r in range(self.world_size))
@@ -227,15 +240,15 @@ class ReportBuilder:
             for when in PHASES:
                 rep = self.per_rank[cause].get(when)
                 if rep is not None and rep.outcome == "failed":
-                    blocks.append(_rank_block(cause, rep, cause=True))
-                    message = f"[rank {cause}] {_crash_line(rep)} ({fault.summary})"
+                    blocks.append(_rank_block(self.label(cause), cause, rep, cause=True, where=self.where(cause)))
+                    message = f"[{self.label(cause)}] {_crash_line(rep)} ({fault.summary})"
                     break
         for r in self.fail_order:
             if r == cause:
                 continue
             for rep in self.per_rank.get(r, {}).values():
                 if rep.outcome == "failed":
-                    blocks.append(_rank_block(r, rep, cause=False))
+                    blocks.append(_rank_block(self.label(r), r, rep, cause=False, where=self.where(r)))
         for title, text in fault.sections:
             blocks.append(f"{'-' * 10} {title} {'-' * 10}\n{text}")
         dur = self.outcome.duration

@@ -30,6 +30,7 @@ class RankState:
     env: DistEnv
     session_shared_dir: pathlib.Path
     shared_tmp: pathlib.Path | None = None
+    unshared_reason: str | None = None  # torchrun across nodes: why the shared directories are not shared
 
 
 RANK_STATE_KEY = pytest.StashKey[RankState]()

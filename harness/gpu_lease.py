@@ -27,6 +27,7 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -58,10 +59,12 @@ class LeaseTimeoutError(GpuLeaseError, TimeoutError):
 
 
 def default_lock_dir(env: Mapping[str, str] | None = None) -> pathlib.Path:
-    """``$HARNESS_LOCK_DIR``, else one directory per user in the node's temp dir."""
+    """``$HARNESS_LOCK_DIR/<host name>``, else one directory per user in the node's temp dir. Leases
+    are node-local: GPU 0 of one node is not GPU 0 of another, so even a lock directory on a
+    filesystem several nodes share keeps each node's locks apart."""
     env = os.environ if env is None else env
     if env.get(ENV_LOCK_DIR):
-        return pathlib.Path(env[ENV_LOCK_DIR])
+        return pathlib.Path(env[ENV_LOCK_DIR]) / socket.gethostname()
     return pathlib.Path(tempfile.gettempdir()) / f"harness-gpu-locks-{os.getuid()}"
 
 

@@ -21,6 +21,7 @@ class Fault:
     summary: str
     cause_rank: int | None
     sections: list[tuple[str, str]]
+    dead_ranks: tuple[int, ...] = ()  # every rank known dead or lost (``cause_rank`` is one of them)
 
 
 @dataclasses.dataclass

@@ -27,11 +27,13 @@ PAYLOAD_LIMIT = 4 * 1024 * 1024
 
 
 class Spiller:
-    """Writes texts that are too long for the answer to files named after the test and the section."""
+    """Writes texts that are too long for the answer to files named after the test and the section.
+    ``host``: named with the path when the reader may be on another machine (torchrun across nodes)."""
 
-    def __init__(self, directory: pathlib.Path, label: str) -> None:
+    def __init__(self, directory: pathlib.Path, label: str, host: str | None = None) -> None:
         self.directory = directory
         self.label = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)[-60:]
+        self.where = f" on host {host}" if host else ""
 
     def spill(self, text: str, title: str, keep: int) -> str:
         """Write ``text`` in full; return a note naming the file followed by its last ``keep`` characters."""
@@ -40,7 +42,7 @@ class Spiller:
         name = re.sub(r"[^A-Za-z0-9_.-]+", "_", title)[:40]
         path = self.directory / f"{self.label}-{name}-{digest}.txt"
         path.write_text(text, errors="replace")
-        return (f"[harness: {len(text)} characters, too long for the report; the full text is in {path}; "
+        return (f"[harness: {len(text)} characters, too long for the report; the full text is in {path}{self.where}; "
                 f"its last {keep} characters follow]\n" + text[-keep:])
 
 

@@ -6,6 +6,7 @@ controller (plain ``pytest``, also inside each xdist worker).
 """
 from __future__ import annotations
 
+import os
 import pathlib
 from collections.abc import Generator
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from harness import backend as backend_mod
-from harness import golden, matrix, mutant, protocol, rerun, sidecar, spec
+from harness import golden, matrix, mutant, nodes, protocol, rerun, sidecar, spec
 from harness.context import RANK_STATE_KEY, DistEnv, RankState
 
 MARKERS = (
@@ -42,6 +43,13 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
     group.addoption("--harness-grace", dest="harness_grace", type=float, default=3.0,
                     help="seconds to wait for the other ranks after one rank failed before tearing the bucket "
                          "down (they are probably blocked in a collective); default 3")
+    group.addoption("--harness-shared-dir", dest="harness_shared_dir", default=None,
+                    help=f"torchrun mode: a directory every node sees (env {nodes.ENV_SHARED_DIR}); the session's "
+                         "shared directories and each node's rank logs and spilled output go under it "
+                         "(default: rank 0's basetemp, and a node-local directory on nodes that cannot see it)")
+    group.addoption("--harness-heartbeat-timeout", dest="harness_heartbeat_timeout", type=float, default=None,
+                    help="torchrun mode: seconds without a heartbeat after which a rank that has not answered is "
+                         "declared lost (its node or torchrun agent is gone); a slow rank keeps beating; default 60")
     parser.addini("harness_timeout", "default per-test timeout (s) for distributed tests", default="")
     parser.addini("harness_forbidden_fixtures", "extra fixture names distributed tests may not request",
                   type="args", default=[])
@@ -90,6 +98,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if mode == protocol.RunMode.CONTROLLER:
         from harness.controller import Controller
 
+        if workerinput is None:
+            nodes.refuse_multinode_spawn(os.environ)
+
         config.pluginmanager.register(Controller(config), "fsdp_harness_controller")
     elif mode == protocol.RunMode.TORCHRUN:
         from harness.torchrun.session import TorchrunSession, quiet_non_zero_ranks
@@ -117,6 +128,12 @@ def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: objec
     return result
 
 
+def _shared(state: RankState, fixture: str) -> None:
+    """A shared directory a node cannot see is not shared: say so instead of handing it out."""
+    if state.unshared_reason:
+        raise pytest.UsageError(f"fixture {fixture!r}: {state.unshared_reason}")
+
+
 def _rank_state(request: pytest.FixtureRequest) -> RankState:
     state = request.config.stash.get(RANK_STATE_KEY, None)
     if state is None:
@@ -138,6 +155,7 @@ def shared_tmp_path(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> p
     state = request.config.stash.get(RANK_STATE_KEY, None)
     if state is None or state.shared_tmp is None:
         return tmp_path
+    _shared(state, "shared_tmp_path")
     return state.shared_tmp
 
 
@@ -146,6 +164,7 @@ def session_shared_tmp_path(request: pytest.FixtureRequest, tmp_path_factory: py
     """A directory shared by all ranks of all buckets of this pytest session (e.g. checkpoints)."""
     state = request.config.stash.get(RANK_STATE_KEY, None)
     if state is not None:
+        _shared(state, "session_shared_tmp_path")
         return state.session_shared_dir
     controller = request.config.pluginmanager.get_plugin("fsdp_harness_controller")
     if controller is not None:

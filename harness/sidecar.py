@@ -28,6 +28,7 @@ import pytest
 from harness import environment
 from harness.matrix import AXES_KEY, allowed_axes
 from harness.mutant import ENV_MUTANT
+from harness.nodes import PLACEMENT_KEY
 from harness.protocol import RunMode
 from harness.report.junit_format import (
     AXIS_PROPERTY_PREFIX,
@@ -212,6 +213,9 @@ class SidecarWriter:
                     exitstatus=int(exitstatus), complete=True, expected=self.expected,
                     expected_axes=self.expected_axes, tests=self.tests,
                     unfinished=sorted(self.running), buckets=bucket_summary(self.tests))
+        placement = self.config.stash.get(PLACEMENT_KEY, None)
+        if placement is not None:  # torchrun mode: every rank's node, host, local rank and node directory
+            data["torchrun"] = placement
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
         os.replace(tmp, self.path)

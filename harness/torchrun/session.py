@@ -21,6 +21,7 @@ stuck in a test exits once rank 0 has written its results.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pathlib
@@ -36,13 +37,24 @@ from harness import backend as backend_mod
 from harness import payload as payload_mod
 from harness import proc_tree, protocol
 from harness.context import RANK_STATE_KEY, DistEnv, RankState
+from harness.nodes import ENV_SHARED_DIR, PLACEMENT_KEY
 from harness.outcome import payload_failed
 from harness.rank_guard import RankGuard
-from harness.spec import SPEC_KEY, resolve_timeout
-from harness.torchrun import link
+from harness.spec import SPEC_KEY, resolve_startup_timeout, resolve_timeout
+from harness.torchrun import dirs, link
+from harness.torchrun.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S, Liveness
+from harness.torchrun.placement import Place, Placement, publish
 from harness.torchrun.reporter import Reporter
 from harness.torchrun.state import Phase, Running, TakeOver
-from harness.torchrun.watchdog import SIGTERM_WAIT_S, RankWatchdog, SignalPipe, end_process, keep_real_stderr, say
+from harness.torchrun.watchdog import (
+    SIGTERM_WAIT_S,
+    RankWatchdog,
+    SignalPipe,
+    end_process,
+    keep_real_stderr,
+    log_to,
+    say,
+)
 
 JUNIT_PATH_KEY = pytest.StashKey[str | None]()
 END_WAIT_S = 10.0
@@ -59,6 +71,13 @@ def quiet_non_zero_ranks(config: pytest.Config) -> None:
     if not is_rank0():
         config.option.xmlpath = None
         config.pluginmanager.set_blocked("terminalreporter")
+
+
+def _span(ranks: list[int]) -> str:
+    """``[0, 1, 2, 3]`` -> ``0-3``; otherwise the list."""
+    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
 
 
 def _park() -> None:
@@ -84,8 +103,11 @@ class TorchrunSession:
         keep_real_stderr()
         self.store = link.connect_store(self.rank, self.world_size, host=True)
         self.watch_store = link.connect_store(self.rank, self.world_size, host=False)
-        link.publish_info(self.store, self.rank)
-        self.peers = link.Peers()
+        self.placement = Placement(Place.own(self.rank))
+        timeout = config.getoption("harness_heartbeat_timeout", None) or DEFAULT_HEARTBEAT_TIMEOUT_S
+        self.liveness = Liveness(self.world_size, float(timeout))
+        self.log: dirs.RankLog | None = None
+        self.node_dir: pathlib.Path | None = None
         self.lock = threading.Lock()
         self.phase = Phase.IDLE
         self.running: Running | None = None
@@ -159,14 +181,14 @@ class TorchrunSession:
             self.take_over(TakeOver.TERMINATED)
             return
         finished = self.watchdog.serve_until_final(SIGTERM_WAIT_S,
-                                                   give_up=lambda: bool(self.peers.gone(self.watch_store, [0])))
+                                                   give_up=lambda: bool(self.placement.gone(self.watch_store, [0])))
         if not finished and self.rank == 1:
             self._note_rank0_gone()
         end_process(128 + 15, f"rank {self.rank}: SIGTERM")
 
     def _note_rank0_gone(self) -> None:
         """Rank 1 says what rank 0, when it died, could not: which test, and where results are."""
-        gone = self.peers.gone(self.watch_store, [0])
+        gone = self.placement.gone(self.watch_store, [0])
         if not gone:
             return
         run = self.running
@@ -177,18 +199,30 @@ class TorchrunSession:
 
     # ----- session start and collection -----------------------------------------------------------
     def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """The session and node directories, this rank's log and place, and what ``dist_env`` returns."""
         self.pytest_session = session
-        key = protocol.key_dir("session")
-        if self.rank == 0:
-            factory = self.config._tmp_path_factory  # type: ignore[attr-defined]
-            protocol.put(self.store, key, str(factory.mktemp("harness-torchrun", numbered=True)))
-        session_dir = pathlib.Path(protocol.get(self.store, key))
+        shared = self.config.getoption("harness_shared_dir", None) or os.environ.get(ENV_SHARED_DIR) or None
+        session_info = dirs.make_session_dir(self.config, self.store, self.rank, shared)
+        own = self.placement.own
+        node = dirs.make_node_dir(self.store, own.node, own.local_rank, own.host, session_info)
+        own = dataclasses.replace(own, node_dir=node["path"])
+        self.placement.update_own(own)
+        self.node_dir = pathlib.Path(node["path"])
+        self.log = dirs.RankLog(self.node_dir / f"rank{self.rank}.log")
+        log_to(self.log)
+        self.log.write(f"{self.placement.where(self.rank)}; world size {self.world_size}, session directory "
+                       f"{session_info['path']}" + ("" if node["shared"] else " (not visible from this node)"))
+        publish(self.store, own)
         import torch
 
         device = torch.device("cuda", self.local_rank) if self.use_cuda else torch.device("cpu")
         env = DistEnv(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank, device=device,
                       backend=self.backend)
-        self.state = RankState(env=env, session_shared_dir=session_dir)
+        unshared = None if node["shared"] else (
+            f"rank {self.rank} (node {own.node}, host {own.host}) cannot see the session directory "
+            f"{session_info['path']} that rank 0 created on its node, so a directory shared by every rank "
+            f"does not exist; give --harness-shared-dir (env {ENV_SHARED_DIR}) on a filesystem every node mounts")
+        self.state = RankState(env=env, session_shared_dir=pathlib.Path(session_info["path"]), unshared_reason=unshared)
         self.config.stash[RANK_STATE_KEY] = self.state
 
     @pytest.hookimpl(trylast=True)
@@ -208,11 +242,30 @@ class TorchrunSession:
         ids = [item.nodeid for item in session.items]
         digest = hashlib.sha1("\n".join(ids).encode()).hexdigest()
         protocol.put(self.store, protocol.key_collected(self.rank), [len(ids), digest])
+        self._wait_for_collection()
         seen = {r: tuple(protocol.get(self.store, protocol.key_collected(r))) for r in range(self.world_size)}
         if len(set(seen.values())) > 1:
             detail = ", ".join(f"rank {r}: {n} items ({d[:10]})" for r, (n, d) in seen.items())
             raise pytest.UsageError(f"torchrun mode: ranks collected different tests ({detail}); "
                                     "collection must be identical on every rank")
+
+    def _wait_for_collection(self) -> None:
+        """Every rank must have collected within ``--harness-startup-timeout`` (counted from here):
+        a rank that never starts pytest, e.g. a node whose ranks fail at import, is named."""
+        limit = resolve_startup_timeout(self.config, self.backend)
+        deadline = time.monotonic() + limit
+        missing = list(range(self.world_size))
+        while missing:
+            missing = [r for r in missing if not self.store.check([protocol.key_collected(r)])]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                self.placement.refresh(self.store, missing)
+                names = "; ".join(self.placement.where(r) for r in missing)
+                raise pytest.UsageError(f"torchrun mode: rank(s) {missing} did not finish collecting within "
+                                        f"{limit:g} s of this rank (--harness-startup-timeout): {names}")
+            time.sleep(0.05)
+        self.placement.refresh(self.store, range(self.world_size))
 
     # ----- running --------------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
@@ -230,6 +283,7 @@ class TorchrunSession:
         run = Running(seq, item, time.monotonic(), resolve_timeout(self.config, spec, self.backend))
         if self.rank == 0:
             item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        self._log(f"test {seq} starts: {item.nodeid}")
         self.enter(Phase.RUNNING, run)
         self.guard.before_test()
         own_properties = list(item.user_properties)
@@ -237,6 +291,9 @@ class TorchrunSession:
         item.user_properties[:] = own_properties  # what the run recorded travels in this rank's reports
         changes, _ = self.guard.after_test()
         self.enter(Phase.WAITING)
+        outcome = next((r.outcome for r in reports if r.failed), None) or \
+            next((r.outcome for r in reports if r.skipped), "passed")
+        self._log(f"test {seq} {outcome} on this rank in {time.monotonic() - run.start:.2f} s")
         self._answer(run, reports, changes)
         if self.reporter is not None:
             self.reporter.gather(run)
@@ -297,8 +354,9 @@ class TorchrunSession:
 
     def _answer(self, run: Running, reports: list[pytest.TestReport], changes: list[str]) -> None:
         assert self.state is not None
-        spill_dir = self.state.session_shared_dir / f"rank{self.rank}-output"
-        spiller = payload_mod.Spiller(spill_dir, f"{run.seq:05d}-{run.item.name}")
+        spill_dir = (self.node_dir or self.state.session_shared_dir) / f"rank{self.rank}-output"
+        host = self.placement.own.host if self.placement.multinode() else None
+        spiller = payload_mod.Spiller(spill_dir, f"{run.seq:05d}-{run.item.name}", host=host)
         payload: dict[str, Any] = {
             "rank": self.rank, "t": time.time(), "error": None, "state_changes": changes,
             "reports": payload_mod.serialize_reports(self.config, reports, spiller)}
@@ -309,6 +367,10 @@ class TorchrunSession:
         if payload_failed(payload):
             self.store.add(protocol.key_failed(run.seq), 1)
 
+    def _log(self, message: str) -> None:
+        if self.log is not None:
+            self.log.write(message)
+
     # ----- end ------------------------------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -318,12 +380,29 @@ class TorchrunSession:
         if self.rank == 0:
             protocol.put(self.store if not self.in_watchdog() else self.watch_store,
                          protocol.key_go(self.seq), {"op": "stop"})
+            self.config.stash[PLACEMENT_KEY] = dict(self.placement.to_json(), junit_host=self.placement.own.host,
+                                                    junit_node=self.placement.own.node)
             return
         self.store.add(protocol.KEY_END, 1)
         if session.exitstatus in (pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED):
             # Rank 0's outcome covers this rank's failures; exiting with an error first would make
             # torchrun stop rank 0 before it wrote JUnit, and name this rank as the failure.
             session.exitstatus = pytest.ExitCode.OK
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        """Rank 0 (the only rank with a terminal): where JUnit and each node's logs are."""
+        lines = []
+        junit = self.config.stash.get(JUNIT_PATH_KEY, None)
+        own = self.placement.own
+        if junit:
+            lines.append(f"JUnit written by rank 0 on host {own.host} (node {own.node}): {os.path.abspath(junit)}")
+        nodes = self.placement.to_json()["nodes"]
+        for node, info in sorted(nodes.items(), key=lambda kv: int(kv[0])):
+            lines.append(f"node {node} (host {info['host']}, ranks {_span(info['ranks'])}): rank logs and spilled "
+                         f"output in {info['dir']}")
+        terminalreporter.write_sep("-", "harness: torchrun placement")
+        for line in lines:
+            terminalreporter.write_line(line)
 
     @pytest.hookimpl(trylast=True)
     def pytest_unconfigure(self, config: pytest.Config) -> None:
@@ -339,6 +418,8 @@ class TorchrunSession:
         self.watchdog.stop()
         self.watchdog.signals.close()
         self._release_group()
+        if self.log is not None:
+            self.log.write("session ended")
         proc_tree.kill_tree(os.getpid(), include_root=False)
 
     def publish_final(self) -> None:

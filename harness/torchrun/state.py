@@ -26,6 +26,7 @@ class TakeOver(WireEnum):
     TIMEOUT = "timeout"
     PEER_FAILED = "peer_failed"
     TERMINATED = "terminated"
+    LOST = "lost"  # a rank that has not answered stopped beating (its node or agent is gone)
 
 
 @dataclasses.dataclass(frozen=True)

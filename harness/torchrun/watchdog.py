@@ -7,7 +7,8 @@ Every rank's watchdog
 - sees SIGTERM (torchrun stopping every rank after one exited with an error, or a cancelled job)
   through a wakeup pipe, so a main thread blocked in native code does not delay it;
 - ends its rank when rank 0 has finished the session (``final``) while this rank is still stuck in a
-  test, killing what its tests started first.
+  test, killing what its tests started first;
+- beats (``harness.torchrun.liveness``), so that rank 0 tells a lost rank on another node from a slow one.
 On rank 0 the session also hands it the judge's work (``TorchrunSession.watch``): timing out a test
 while rank 0's own main thread is inside it, and reporting in its place.
 """
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from harness import proc_tree, protocol
 from harness.stacks import format_stacks
+from harness.torchrun.liveness import Beater
 from harness.torchrun.state import Phase
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ FINAL_WAIT_S = 60.0
 SIGTERM_WAIT_S = 10.0  # well inside torchrun's 30 s between SIGTERM and SIGKILL
 OUTPUT_TAIL_LINES = 40
 _REAL_STDERR: list[int] = []
+_LOGS: list[Any] = []  # the rank's RankLog (harness.torchrun.dirs), once the session knows its node directory
 
 
 def keep_real_stderr() -> None:
@@ -44,13 +47,20 @@ def keep_real_stderr() -> None:
         _REAL_STDERR.append(os.dup(2))
 
 
+def log_to(log: Any) -> None:
+    """Also write every ``say`` line to ``log`` (an object with ``write(str)``)."""
+    _LOGS[:] = [log]
+
+
 def say(message: str) -> None:
-    """One line to the real stderr."""
+    """One line to the real stderr (and the rank's log)."""
     data = f"[harness] {message}\n".encode(errors="replace")
     try:
         os.write(_REAL_STDERR[0] if _REAL_STDERR else 2, data)
     except OSError:
         pass
+    for log in _LOGS:
+        log.write(message)
 
 
 def _noted(signum: int, frame: Any) -> None:
@@ -100,6 +110,7 @@ class RankWatchdog:
         self.on_sigterm = on_sigterm
         self.answered = 0
         self.final_seen: float | None = None
+        self.beater = Beater(rank)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="harness-torchrun-watchdog", daemon=True)
 
@@ -118,6 +129,7 @@ class RankWatchdog:
                 if signal.SIGTERM in delivered:
                     self.on_sigterm()
                 if self.rank != 0:
+                    self.beater.beat(self.store)
                     self.answer_dump()
                     self._check_final()
                 elif self.judge is not None:
@@ -161,6 +173,7 @@ class RankWatchdog:
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
+                self.beater.beat(self.store)
                 self.answer_dump()
                 if self.store.check([protocol.KEY_FINAL]):
                     return True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import time
@@ -85,7 +86,8 @@ def test_cuda_visible_devices_maps_lease_ids(tmp_path) -> None:
 
 
 def test_default_lock_dir() -> None:
-    assert gpu_lease.default_lock_dir({"HARNESS_LOCK_DIR": "/x/y"}) == pathlib.Path("/x/y")
+    # per host: a lock directory on a shared filesystem keeps each node's leases apart
+    assert gpu_lease.default_lock_dir({"HARNESS_LOCK_DIR": "/x/y"}) == pathlib.Path("/x/y") / socket.gethostname()
     assert gpu_lease.default_lock_dir({}).name == f"harness-gpu-locks-{os.getuid()}"
 
 

@@ -13,7 +13,7 @@ from harness.torchrun.state import Phase, TakeOver
 
 def test_wire_values_are_the_plain_words():
     assert [p.value for p in Phase] == ["idle", "running", "waiting", "finishing", "abandoned"]
-    assert [t.value for t in TakeOver] == ["timeout", "peer_failed", "terminated"]
+    assert [t.value for t in TakeOver] == ["timeout", "peer_failed", "terminated", "lost"]
     assert [m.value for m in RunMode] == ["rank", "torchrun", "controller"]
     assert json.dumps({"phase": Phase.RUNNING}) == '{"phase": "running"}'
     assert f"still {Phase.WAITING}; ({TakeOver.PEER_FAILED})" == "still waiting; (peer_failed)"
