@@ -74,8 +74,6 @@ def pytest_configure(config: pytest.Config) -> None:
     golden_dir = config.getoption("golden_dir", None)
     if golden_dir:
         os.environ[ENV_DIR] = str((config.rootpath / golden_dir).resolve())
-    elif ENV_DIR not in os.environ:
-        os.environ[ENV_DIR] = str(config.rootpath / DEFAULT_DIR)
     platform = config.getoption("golden_platform", None)
     if platform:
         os.environ[ENV_PLATFORM] = platform
@@ -202,7 +200,9 @@ class Golden:
     def __init__(self, request: pytest.FixtureRequest) -> None:
         self._request = request
         self.platform = detect_platform()
-        self.directory = pathlib.Path(os.environ.get(ENV_DIR, DEFAULT_DIR))
+        # Only an explicit --golden-dir travels through the environment (the default is found
+        # from the rootdir, which every rank's session shares): nothing is set behind a test's back.
+        self.directory = pathlib.Path(os.environ.get(ENV_DIR) or request.config.rootpath / DEFAULT_DIR)
         self.update = os.environ.get(ENV_UPDATE) == "1"
 
     def path(self, cell: str) -> pathlib.Path:
