@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import increment_version
 from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
@@ -308,6 +309,15 @@ class FSDPEngine:
         self.check_zero_grad(free)
         for unit in self.units:
             unit.zero_grad_buffers(free)
+
+    def note_optimizer_step(self) -> None:
+        """An optimizer stepped this model's params: bump every weight buffer's version counter.
+        Fused kernels (``torch._fused_adam_``, TE's FusedAdam) update params in place without
+        bumping any counter, so without this the ZeRO-1/2 refresh and the FP8 requantisation,
+        which key on those counters, would keep the compute weights of before the step."""
+        for unit in self.units:
+            if unit.params:
+                increment_version(unit.weight.data)
 
     def grad_buffer_ptrs(self) -> set[int]:
         """Storage addresses of the allocated grad buffers (``hide_buffer_grads`` matches views)."""

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.autograd.graph import increment_version
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype  # Adam's step-counter dtype (torch's own rule)
 
@@ -117,9 +116,7 @@ def offloaded_step(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine], 
     device = engines[0].ctx.device
     if policy.step == "cpu":
         synchronize(device)  # grads copied down, no copy still reading the host weights
-        result = own_step(*args, **kwargs)
-        mark_weights_changed(engines)
-        return result
+        return own_step(*args, **kwargs)  # the bound optimizer's step tells the engines (note_optimizer_step)
     runner = optimizer.__dict__.get(_RUNNER_ATTR)
     if runner is None or runner.engines != engines:  # first step, or models were bound since
         runner = OffloadedAdamStep(optimizer, list(engines), policy, device)
@@ -144,13 +141,9 @@ _hooked_streamed_step = torch.optim.Optimizer.profile_hook_step(_streamed_step)
 
 
 def mark_weights_changed(engines: list[FSDPEngine]) -> None:
-    """Bump every weight buffer's version counter after a step: fused kernels
-    (``torch._fused_adam_``) update params in place without bumping any counter, and the
-    refresh of ZeRO-1/2 compute params and of the device compute shards keys on those counters."""
+    """The streamed step updated the weights (``FSDPEngine.note_optimizer_step``)."""
     for engine in engines:
-        for unit in engine.units:
-            if unit.params:
-                increment_version(unit.weight.data)
+        engine.note_optimizer_step()
 
 
 class OffloadedAdamStep:

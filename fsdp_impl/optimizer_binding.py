@@ -107,6 +107,14 @@ class _FSDPOptimizerMixin(torch.optim.Optimizer):
         zero_grads_and_buffers(self._fsdp_engines, [p for g in self.param_groups for p in g["params"]],
                                set_to_none, super().zero_grad)
 
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's step, then the engines learn that their weights changed (a fused kernel
+        updates them without bumping the version counters the engine reads)."""
+        result = super().step(*args, **kwargs)
+        for engine in self._fsdp_engines:
+            engine.note_optimizer_step()
+        return result
+
 
 class _FSDPOffloadOptimizerMixin(_FSDPOptimizerMixin):
     """For models with ``offload_policy``: ``step`` runs on the host after a device sync

@@ -264,6 +264,12 @@ def fp8_amax_not_reduced() -> None:
     replace("fsdp_impl.fp8_params:comm", make)
 
 
+def optimizer_step_not_noted() -> None:
+    """The engine is not told that the optimizer stepped: a fused optimizer (which bumps no
+    version counter) leaves ZeRO-1/2 forwards on the compute weights of before the step."""
+    replace("fsdp_impl.engine:FSDPEngine.note_optimizer_step", lambda original: lambda self: None)
+
+
 # ---------------------------------------------------------------------------- activation recompute
 def recompute_pre_backward_keeps_sharded_params() -> None:
     """A unit's pre-backward leaves the sharded DTensor params on the module (the original
@@ -385,6 +391,9 @@ MUTANTS = (
     Mutant("fp8_amax_not_reduced", "FP8 scales from each rank's local amax",
            (F + "test_fp8.py", "-k", "test_training_matches_reference and delayed-fsdp2-eager"),
            numerics="FP8 parameters at world > 1"),
+    Mutant("optimizer_step_not_noted", "fused optimizer step leaves ZeRO-1/2 compute weights stale",
+           (F + "test_engine_features.py", "-k", "test_fused_optimizer_step_reaches_the_next_forward"),
+           numerics="every step with a fused optimizer (ZeRO-1/2)"),
     Mutant("recompute_pre_backward_keeps_sharded_params", "recompute inside a unit reads its sharded params",
            (F + "test_activation_recompute.py", "-k", "test_recompute_is_bit_identical_world2 and z3-resize")),
     Mutant("recompute_runs_as_a_forward", "recompute reshards the unit before its backward reads it",
