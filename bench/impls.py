@@ -101,7 +101,7 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR)
 
 
-def _ours(strategy: str, hsdp: bool, module: nn.Module, env: Env):
+def _ours(strategy: str, hsdp: bool, module: nn.Module, env: Env, **extra: object):
     import fsdp_impl
 
     kwargs: dict = flat_mesh(env)
@@ -111,7 +111,7 @@ def _ours(strategy: str, hsdp: bool, module: nn.Module, env: Env):
                       hybrid_fsdp_group=mesh["hsdp"].get_group(), outer_dp_sharding_strategy="no_shard")
     policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
     model, opt = fsdp_impl.fully_shard(module, _adamw(module.parameters()), fsdp_unit_modules=[Block],
-                                       zero_dp_strategy=strategy, mixed_precision_policy=policy, **kwargs)
+                                       zero_dp_strategy=strategy, mixed_precision_policy=policy, **kwargs, **extra)
     return model, opt
 
 
@@ -211,6 +211,10 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
          _ceiling, torch.float32, True, persistent_bytes=lambda w: 16.0),
 )}
 DEFAULT_IMPLS = tuple(IMPLS)
+# NCCL user buffers (not in the default set; NCCL only): ours-z3 with nccl_ub=True.
+IMPLS["ours-z3+ub"] = dataclasses.replace(
+    IMPLS["ours-z3"], name="ours-z3+ub", setup=f"{IMPLS['ours-z3'].setup}; nccl_ub=True (NCCL user buffers)",
+    build=functools.partial(_ours, "optim_grads_params", False, nccl_ub=True))
 # Recompute variants (not in the default set): "+ac" checkpoint_wrapper around each block, "+sac"
 # selective recompute inside each block; FSDP2 gets exactly the same model changes.
 IMPLS.update({v.name: v for base in ("ours-z3", "fsdp2") for style, label in (("full", "ac"), ("selective", "sac"))

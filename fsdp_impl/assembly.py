@@ -8,6 +8,7 @@ root) whose params belong to both sets becomes two units driven by the same modu
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
@@ -32,6 +33,8 @@ from .hooks import register_hooks
 from .mesh import DistIndex, build_mesh
 from .meta_init import materialise, sync_rng_from_rank0
 from .module import FullyShardedModule
+from .nccl_ub import UserBuffers, registration_groups
+from .nccl_ub import check_backend as check_nccl_backend
 from .offload import ModelOffload, check_offload
 from .optimizer_binding import ENGINE_REF_ATTR
 from .parallel_dims import ParallelDims, attach_tp_specs, check_gather_group, resolve_parallel_dims
@@ -174,6 +177,18 @@ def _scaling(config: FSDPConfig, dp_size: int, reduce_size: int) -> GradScaling:
     return GradScaling.for_units(config.average_in_collective, config.calculate_per_token_loss, dp_size, reduce_size)
 
 
+def comm_groups(dims: ParallelDims, gather_group: dist.ProcessGroup | None,
+                prefix: str = "") -> list[tuple[str, dist.ProcessGroup | None]]:
+    """The groups a model's collectives run on, named, in a fixed order (NCCL user buffers
+    register with each, in this order): shard, all-gather, HFSDP inner, outer, HSDP outer
+    reduce, hybrid."""
+    shard = dims.shard_group or dims.shard_mesh.get_group()
+    inner = dims.inner_mesh.get_group() if dims.outer_group is not None else None
+    named = [("shard", shard), ("all-gather", gather_group), ("inner", inner), ("outer", dims.outer_group),
+             ("hsdp outer reduce", dims.hsdp_reduce_group), ("hybrid", dims.hybrid_group)]
+    return [(prefix + name, g) for name, g in named]
+
+
 def wrap_model(module: nn.Module, config: FSDPConfig, classes: tuple[type[nn.Module], ...], mesh_args: MeshArgs,
                device: object) -> FullyShardedModule:
     """Resolve the mesh and groups, check the module against them, make every rank agree, then
@@ -199,20 +214,32 @@ def wrap_model(module: nn.Module, config: FSDPConfig, classes: tuple[type[nn.Mod
     check_gather_group(m.fsdp_group_ag, dims, "fsdp_group_ag")
     if expert_dims is not None:
         check_gather_group(m.expt_fsdp_group_ag, expert_dims, "expt_fsdp_group_ag")
-    check_ranks_agree(agreement_items(module, mesh, classes, config, dims, expert_dims, resolved_device),
-                      resolved_device)
+    ub_groups: list[tuple[str, dist.ProcessGroup]] = []
+    if config.nccl_ub:
+        groups = comm_groups(dims, m.fsdp_group_ag)
+        if expert_dims is not None:
+            groups += comm_groups(expert_dims, m.expt_fsdp_group_ag, "expert ")
+        ub_groups = registration_groups(groups)
+        check_nccl_backend([g for _, g in ub_groups])
+    items = agreement_items(module, mesh, classes, config, dims, expert_dims, resolved_device)
+    # rank-independent: which groups, by role and size, in which order (ranks differ per replica)
+    items.append(("nccl_ub registration order (group, size)", [(n, g.size()) for n, g in ub_groups]))
+    check_ranks_agree(items, resolved_device)
     ordinary = GroupSet(dims, GradScaling(), m.fsdp_group_ag)
     ordinary.scaling = _scaling(config, ordinary.dp_size, ordinary.dp_size)
     experts = None
     if expert_dims is not None:
         experts = GroupSet(expert_dims, GradScaling(), m.expt_fsdp_group_ag)
         experts.scaling = _scaling(config, ordinary.dp_size, experts.dp_size)
-    return _assemble(module, classes, config, resolved_device, ordinary, experts)
+    user_buffers = (UserBuffers([g for _, g in ub_groups], resolved_device, not config.disable_symmetric_registration)
+                     if config.nccl_ub else None)
+    return _assemble(module, classes, config, resolved_device, ordinary, experts, user_buffers)
 
 
 def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], config: FSDPConfig, device: torch.device,
-              ordinary: GroupSet, experts: GroupSet | None) -> FullyShardedModule:
-    """Units, engine, hooks and wrapper (the arguments are checked and agreed on)."""
+              ordinary: GroupSet, experts: GroupSet | None, user_buffers: UserBuffers | None) -> FullyShardedModule:
+    """Units, engine, hooks and wrapper (the arguments are checked and agreed on). With NCCL user
+    buffers, every buffer the units allocate comes from their pool."""
     found = find_unit_modules(module, classes)
     names = [name for name, _ in found] + [""]
     layout = split_units(names, [m for _, m in found] + [module], assign_params(module, names[:-1]),
@@ -221,11 +248,15 @@ def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], config: F
                           record_streams=not config.cuda_graph_mode)
     ctx = make_context(ordinary, config, device, streams)
     expert_ctx = make_context(experts, config, device, streams) if experts is not None else None
-    per_match, units, modules = build_units(layout, ctx, expert_ctx)
-    shard_units(module, per_match, layout, device, config.init_model_with_meta_device)
-    for context in (ctx, expert_ctx):  # ZeRO-3 + pool only: the non-root units of each group set
+    for context in (ctx, expert_ctx):
         if context is not None:
-            attach_unshard_pool([u for u in units[:-1] if u.ctx is context], context)
+            context.user_buffers = user_buffers
+    with user_buffers.allocating() if user_buffers is not None else contextlib.nullcontext():
+        per_match, units, modules = build_units(layout, ctx, expert_ctx)
+        shard_units(module, per_match, layout, device, config.init_model_with_meta_device)
+        for context in (ctx, expert_ctx):  # ZeRO-3 + pool only: the non-root units of each group set
+            if context is not None:
+                attach_unshard_pool([u for u in units[:-1] if u.ctx is context], context)
     reducer = outer_reducer(units, ordinary.dims, experts.dims if experts is not None else None, expert_ctx,
                             ordinary.scaling)
     # FP8 weights requantised over the shard group; delayed-scaling amaxes over every dp rank

@@ -21,8 +21,9 @@ arguments any other way (the PyTorch FSDP2 policies and Megatron-FSDP's
   need (here: its unit, the gather bucket, as Megatron-FSDP's buckets are per unit and dtype), so
   a ZeRO-3 unit is gathered when its first submodule with params runs rather than when the unit
   is entered, and a submodule recomputed on its own inside the backward finds its params.
-* ``nccl_ub`` (NCCL user-buffer registration): not implemented; ``True`` raises naming what is
-  missing. ``disable_symmetric_registration`` only modifies ``nccl_ub``'s registration.
+* ``nccl_ub``: the engine's communication buffers come from an NCCL memory pool registered with
+  its process groups (``nccl_ub.py``); implies ``fsdp_double_buffer`` as in Megatron-FSDP 0.6.1.
+  ``disable_symmetric_registration`` turns the symmetric (window) registration into a local one.
 * ``offload_policy`` (keyword-only, after Megatron-FSDP's arguments): CPU offload
   (``fsdp_impl.offload.OffloadPolicy``); ``None`` keeps everything on the device.
 * ``init_model_with_meta_device``, ``sync_model_each_microbatch``, ``report_nan_in_param_grad``,
@@ -33,8 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
-
-import torch.distributed as dist
 
 from .offload import OffloadPolicy
 from .policy import MixedPrecisionPolicy, ShardingStrategy
@@ -82,16 +81,11 @@ class FSDPConfig:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
-        if self.nccl_ub:
-            backend = str(dist.get_backend()).lower() if dist.is_initialized() else "none"
-            missing = ("the engine does not register its communication buffers with NCCL yet"
-                       if "nccl" in backend else
-                       f"it needs the NCCL backend (this process group uses {backend!r})")
-            raise NotImplementedError(
-                f"nccl_ub=True (NCCL user-buffer registration of the FSDP buffers) is not supported: "
-                f"{missing}; pass nccl_ub=False (fsdp_double_buffer=True gives the fixed buffer pool alone)")
+        if self.nccl_ub and self.offload_policy is not None:
+            raise ValueError("nccl_ub=True cannot be combined with offload_policy: NCCL registers device memory, "
+                             "and offloaded shards live in host memory; pass one of them")
         object.__setattr__(self, "unshard", UnshardStorage.from_megatron_args(
-            self.fsdp_double_buffer, self.maxpool_double_buffer))
+            self.fsdp_double_buffer or self.nccl_ub, self.maxpool_double_buffer))
 
     @property
     def zero3(self) -> bool:

@@ -280,6 +280,8 @@ class FSDPEngine:
             if self.outer_reducer is not None:
                 self.outer_reducer.reduce([u.grad for u in self.units])
             self.install_grads()
+            if self.ctx.user_buffers is not None:  # every buffer of a step exists now: register once
+                self.ctx.user_buffers.register()
 
     def install_grads(self) -> None:
         if self.report_nan:

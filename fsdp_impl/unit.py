@@ -6,6 +6,7 @@ unit issues go through the shard group in a fixed order, so every rank issues th
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from .unshard_storage import (
 
 if TYPE_CHECKING:
     from .fp8_params import UnitFp8
+    from .nccl_ub import UserBuffers
 
 
 def _preserve_versions(params: list[ManagedParam]) -> torch.autograd._unsafe_preserve_version_counter:
@@ -104,6 +106,17 @@ class UnitContext:
     # enable_fine_grained_param_gather: a ZeRO-3 unit is gathered by the pre-forward hook of its
     # first submodule that holds params, not by the unit's own pre-forward (hooks.py, engine.py).
     fine_grained: bool = False
+    # nccl_ub: the NCCL memory pool every communication buffer comes from (nccl_ub.py).
+    user_buffers: UserBuffers | None = None
+
+    @property
+    def fixed_buffers(self) -> bool:
+        """Communication buffers live as long as the model (CUDA graphs, NCCL user buffers)."""
+        return self.graph_mode or self.user_buffers is not None
+
+    def comm_allocation(self) -> contextlib.AbstractContextManager[None]:
+        """Where a communication buffer allocated now comes from (the NCCL pool, if any)."""
+        return self.user_buffers.allocating() if self.user_buffers is not None else contextlib.nullcontext()
     # CPU offload (fully_shard's offload_policy): which unit buffers live in host memory.
     offload: OffloadPolicy | None = None
 
@@ -150,7 +163,7 @@ class FSDPUnit:
         self.staging: GradStaging | None = None  # grads awaiting reduction (None: nothing trainable)
         if self.grad is not None:
             self.staging = GradStaging(self.grad.layout, self.dtypes.main_grads, ctx.device,
-                                       persistent=ctx.graph_mode)
+                                       persistent=ctx.fixed_buffers)
         self.storage: UnitStorage = unit_storage(ctx.unshard.standalone_kind(ctx.graph_mode), [])
         self._ready = 0
         self._gather: _Gather | None = None  # a prefetched all-gather not yet consumed
@@ -272,7 +285,7 @@ class FSDPUnit:
         """One all-gather of the unit's shards, cast to the compute dtype, on the gather stream."""
         stream = self.ctx.streams.gather
         version = self.version_signature() if self.tracks_versions else self.synced_version
-        with stream.use():
+        with stream.use(), self.ctx.comm_allocation():
             if self.fp8 is not None:  # FP8 params travel as FP8 bytes
                 gathered = self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group, force_fp8)
             else:
@@ -425,12 +438,13 @@ class FSDPUnit:
         done, self.state = self.state == TrainingState.POST_BACKWARD, TrainingState.POST_BACKWARD
         if done or self.grad is None:
             return
-        if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
-            full = self._staging().take_pending(comm_dtype)  # zeros if no grad arrived: still join
-        elif sync:
-            full = self._staging().take_accumulated(comm_dtype)
-        else:
-            return
+        with self.ctx.comm_allocation():
+            if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
+                full = self._staging().take_pending(comm_dtype)  # zeros if no grad arrived: still join
+            elif sync:
+                full = self._staging().take_accumulated(comm_dtype)
+            else:
+                return
         overwrite = self.grad.take_zeroed(self._capture_token())
         self.reduce_event = self.reducer.reduce(full, self.grad, sync, overwrite)
 
@@ -492,7 +506,7 @@ class FSDPUnit:
         installed ``.grad`` objects as views of the same storage (needed for CUDA-graph capture).
         Cast copies are only cached under CUDA-graph mode, which refuses ``free``."""
         if self.grad is not None:
-            if free:
+            if free and self.ctx.user_buffers is None:  # a registered buffer stays (zeroed below)
                 self.grad.free()
             elif self.grad.is_allocated:
                 self.grad.zero(self._capture_token())

@@ -27,6 +27,8 @@ L0_CELLS = (
     "test_activation_recompute.py::test_recompute_gathers_nothing_extra[z3-resize-wrapper]",
     "test_activation_recompute.py::test_recompute_gathers_nothing_extra[z3-pool-region]",
     "test_activation_recompute.py::test_recompute_fp8_params[current-optim_grads_params-keep]",
+    # NCCL user buffers: registered once, in one order on every rank, training unchanged (gloo, recorded)
+    "test_nccl_ub.py::test_nccl_ub_registers_once_in_order_and_trains_identically[3]",
     # golden cells (the whole suite runs in L0 through -m golden; this cell names the suite here)
     "test_golden.py::test_golden_world2[zero3]",
     "test_checkpoint_compat.py::test_checkpoint_of_an_earlier_version_loads_and_continues_its_curve[zero3]",

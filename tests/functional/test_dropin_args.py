@@ -120,15 +120,13 @@ def test_double_buffer_pools_zero3_units_with_identical_training(flag: str, dist
     assert pooled and set(pooled) == {"PooledStorage"}, pooled
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(nccl_ub=True), r"nccl_ub=True \(NCCL user-buffer registration of the FSDP buffers\) is not supported"),
-])
-def test_unsupported_switches_name_what_is_missing(kwargs: dict, match: str, dist_env: Any) -> None:
-    with pytest.raises(NotImplementedError, match=match):
-        fully_shard_model(build_model("cnn"), **kwargs)
-    if "nccl_ub" in kwargs and dist_env.backend == "gloo":
-        with pytest.raises(NotImplementedError, match=r"it needs the NCCL backend \(this process group uses 'gloo'\)"):
-            fully_shard_model(build_model("cnn"), **kwargs)
+def test_nccl_ub_off_nccl_names_the_backend(dist_env: Any) -> None:
+    """NCCL user buffers need NCCL: on another backend, a clear error before anything is built."""
+    if dist_env.backend != "gloo":
+        pytest.skip("this checks the error on gloo; tests/functional/test_nccl_ub*.py cover NCCL")
+    with pytest.raises(ValueError, match=r"nccl_ub=True \(NCCL user-buffer registration of the FSDP buffers\): it "
+                                         r"needs the NCCL backend \(this process group uses 'gloo'\)"):
+        fully_shard_model(build_model("cnn"), nccl_ub=True)
 
 
 @pytest.mark.parametrize("name", BOOL_SWITCHES)

@@ -270,6 +270,19 @@ def optimizer_step_not_noted() -> None:
     replace("fsdp_impl.engine:FSDPEngine.note_optimizer_step", lambda original: lambda self: None)
 
 
+def nccl_ub_registration_order_per_rank() -> None:
+    """NCCL user buffers are registered with the model's groups in an order that depends on the
+    rank (odd ranks reversed): registration is collective per group, so ranks would wait for
+    each other in different groups and hang."""
+    def make(original: Any) -> Any:
+        def per_rank(groups: Any) -> Any:
+            import torch.distributed as dist
+            found = original(groups)
+            return found[::-1] if dist.get_rank() % 2 else found
+        return per_rank
+    replace("fsdp_impl.assembly:registration_groups", make)
+
+
 # ---------------------------------------------------------------------------- activation recompute
 def recompute_pre_backward_keeps_sharded_params() -> None:
     """A unit's pre-backward leaves the sharded DTensor params on the module (the original
@@ -394,6 +407,8 @@ MUTANTS = (
     Mutant("optimizer_step_not_noted", "fused optimizer step leaves ZeRO-1/2 compute weights stale",
            (F + "test_engine_features.py", "-k", "test_fused_optimizer_step_reaches_the_next_forward"),
            numerics="every step with a fused optimizer (ZeRO-1/2)"),
+    Mutant("nccl_ub_registration_order_per_rank", "NCCL user buffers registered in a rank-dependent group order",
+           (F + "test_nccl_ub.py", "-k", "test_nccl_ub_hsdp_registers_every_group_in_one_order")),
     Mutant("recompute_pre_backward_keeps_sharded_params", "recompute inside a unit reads its sharded params",
            (F + "test_activation_recompute.py", "-k", "test_recompute_is_bit_identical_world2 and z3-resize")),
     Mutant("recompute_runs_as_a_forward", "recompute reshards the unit before its backward reads it",
