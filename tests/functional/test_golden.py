@@ -36,7 +36,8 @@ def _cell_axes() -> pytest.MarkDecorator:
                               outer=axes.item("cell", "outer", axes.outer), model=axes.item("cell", "model"),
                               dtype=axes.item("cell", "dtype", axes.dtype),
                               recipe=axes.item("cell", "recipe", lambda r: None if r is None else axes.recipe(r)),
-                              recompute=axes.item("cell", "model", lambda m: "inside" if m == "recompute" else None))
+                              recompute=axes.item("cell", "model", lambda m: "inside" if m == "recompute" else None),
+                              offload=axes.item("cell", "offload"))
 
 
 def _cells(world: int) -> list[Any]:

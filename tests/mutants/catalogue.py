@@ -416,7 +416,8 @@ MUTANTS = (
     Mutant("recompute_unit_gathered_twice", "a unit gathered for its recompute and again for its backward",
            (F + "test_activation_recompute.py", "-k", "test_recompute_gathers_nothing_extra and region")),
     Mutant("offload_step_skips_a_d2h", "the streamed offload step loses one chunk's update on the host",
-           (F + "test_offload.py", "-k", "test_offload_matches_no_offload and gpu-zero3")),
+           (F + "test_offload.py", "-k", "test_offload_matches_no_offload and gpu-zero3"),
+           numerics="OffloadPolicy(step='gpu'), every step"),
     Mutant("harness_rank0_outcome_only", "the harness aggregates only rank 0's outcome",
            ("tests/unit/reports/test_signoff_harness_contract.py",)),
 )

@@ -10,7 +10,7 @@ Runs use one intra-op thread, so a CPU result does not depend on the machine's c
 Together the cells cover the matrix axes: ZeRO 0-3, HSDP and HFSDP, CP and TP meshes, bf16
 compute with fp32 main params, decoupled grads with the precision-aware AdamW (bf16 moments),
 activation recompute, and the torch-native FP8 recipes (``GPU_CELLS`` add TransformerEngine
-recipes on GPUs; ``GPU_CELLS`` run at world 1). Three cells exist so that the golden cells see
+recipes on GPUs; ``GPU_CELLS`` run at world 1). Five cells exist so that the golden cells see
 bug classes of training patterns the others do not use (``python -m tests.mutants.runner
 --golden``): ``zero3_meta_init`` builds the model on the meta device (an RNG that differs per rank
 or repeats per shard changes the weights; its numbers equal ``zero3``'s, meta init being
@@ -18,7 +18,10 @@ bit-identical to eager init); ``zero2_layer_drop`` skips a block in every third 
 drop: a ZeRO-1/2 refresh gather prefetched for a unit that did not run must not be used after the
 next step); ``zero3_hand_grad`` zeroes grads with ``set_to_none=False`` and adds a hand-written
 weight-decay gradient into ``.grad`` before each backward (the reduction must add to it, not
-overwrite it).
+overwrite it); ``zero1_fused_adam`` steps with torch's fused Adam, which bumps no version counter
+(the engine must still learn that the weights changed); ``zero3_offload`` keeps optimizer state
+and main params in host memory and streams the step in small chunks (``OffloadPolicy(step="gpu")``,
+on a CPU mesh through ``stream_on_cpu_for_tests``: every chunk's update must reach the host).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_impl
+from fsdp_impl.offload import stream_on_cpu_for_tests
 from fsdp_impl.placement import local_tensor
 
 from . import fp8_training
@@ -46,6 +50,7 @@ CLIP = 1.0
 LOCAL_BATCH = 2
 LR = 1e-2
 HAND_DECAY = 1e-2  # zero3_hand_grad: the weight-decay gradient added into .grad by hand
+OFFLOAD_CHUNK_BYTES = 4096  # small, so the tiny model's streamed step has several chunks
 # A deliberate learning-rate perturbation for the whole run (e.g. ``1.000001``): the sign-off's
 # acceptance test proves a 1e-6 change drifts. Never honoured under --golden-update (it would write
 # perturbed golden files).
@@ -63,10 +68,12 @@ class Cell:
     mesh: tuple[int, int, int, int] | None = None
     outer: str | None = None
     dtype: torch.dtype = torch.float32  # compute dtype (main params and grads stay fp32)
-    optimizer: str = "adam"  # "adam": torch Adam; "adamw_decoupled": fsdp_impl AdamW, decoupled grads, bf16 moments
+    optimizer: str = "adam"  # "adam"/"adam_fused": torch Adam; "adamw_decoupled": fsdp_impl AdamW, decoupled
+    # grads, bf16 moments
     recipe: str | None = None  # FP8 recipe (model "fp8": torch-native; "te": TransformerEngine's)
     meta_init: bool = False  # build on the meta device, materialised shard by shard (model "gpt")
     hand_grad: bool = False  # zero_grad(set_to_none=False), then a gradient added into .grad by hand
+    offload: str | None = None  # OffloadPolicy(step=...): optimizer state and main params in host memory
 
 
 CELLS = (
@@ -80,6 +87,8 @@ CELLS = (
     Cell("zero3_meta_init", 2, meta_init=True),
     Cell("zero2_layer_drop", 2, zero=2, model="gpt_layer_drop"),
     Cell("zero3_hand_grad", 2, hand_grad=True),
+    Cell("zero1_fused_adam", 2, zero=1, optimizer="adam_fused"),
+    Cell("zero3_offload", 2, offload="gpu"),
     Cell("fp8_current", 2, model="fp8", recipe="current"),
     Cell("fp8_delayed", 2, model="fp8", recipe="delayed"),
     Cell("fp8_blockwise", 2, model="fp8", recipe="blockwise"),
@@ -167,7 +176,7 @@ def _optimizer(cell: Cell, params: Any) -> tuple[torch.optim.Optimizer, dict[str
         opt = fsdp_impl.optim.AdamW(params, lr=LR, use_decoupled_grad=True, exp_avg_dtype=torch.bfloat16,
                                     exp_avg_sq_dtype=torch.bfloat16)
         return opt, {"use_decoupled_grad": True}
-    return torch.optim.Adam(params, lr=LR), {}
+    return torch.optim.Adam(params, lr=LR, fused=cell.optimizer == "adam_fused" or None), {}
 
 
 def _te_autocast(cell: Cell) -> Any:
@@ -223,6 +232,9 @@ def start_cell(cell: Cell, device: torch.device, lr_scale: float = 1.0) -> CellR
         group["lr"] = group["lr"] * lr_scale
     kwargs: dict[str, Any] = dict(fsdp_unit_modules=units, zero_dp_strategy=cell.zero,
                                   init_model_with_meta_device=cell.meta_init, **opt_kwargs)
+    if cell.offload is not None:
+        kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step=cell.offload, chunk_bytes=OFFLOAD_CHUNK_BYTES,
+                                                           pin_memory=device.type == "cuda")
     slot, slots = dist.get_rank(), dist.get_world_size()
     if cell.mesh is not None:
         mesh = seed_mesh(cell.mesh, device.type)
@@ -266,5 +278,6 @@ def train_steps(run: CellRun, steps: range) -> dict[str, list[float]]:
 
 def run_cell(cell: Cell, device: torch.device, lr_scale: float = 1.0) -> dict[str, list[float]]:
     """Train ``cell`` for ``STEPS`` steps from its seed; the golden series."""
-    with one_thread():
+    streamed_on_cpu = cell.offload == "gpu" and device.type == "cpu"
+    with one_thread(), stream_on_cpu_for_tests() if streamed_on_cpu else contextlib.nullcontext():
         return train_steps(start_cell(cell, device, lr_scale), range(STEPS))
