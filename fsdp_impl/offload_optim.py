@@ -32,8 +32,8 @@ from .offload import OffloadPolicy
 from .offload_step import GRAD, PARAM, StepStreams, StreamedStep, StreamEntry
 from .optim import Adam as FsdpAdam
 from .optim import AdamW as FsdpAdamW
-from .optim._adam_math import AdamTensors, adam_foreach_, adam_fused_, adam_single_
-from .optim.adam import _hyper, _use_foreach
+from .optim._adam_math import AdamTensors
+from .optim.adam import step_group
 from .placement import local_tensor
 
 if TYPE_CHECKING:
@@ -317,14 +317,7 @@ class OffloadedAdamStep:
         batch = [AdamTensors(param=v[PARAM], grad=v[GRAD], exp_avg=v["exp_avg"], exp_avg_sq=v["exp_avg_sq"],
                              max_exp_avg_sq=v.get("max_exp_avg_sq") if group["amsgrad"] else None,
                              step=_step_copy(e)) for e, v in items]
-        hp = _hyper(group)
-        if group["fused"]:
-            adam_fused_(batch, hp)
-        elif _use_foreach(group, batch):
-            adam_foreach_(batch, hp)
-        else:
-            for tensors in batch:
-                adam_single_(tensors, hp)
+        step_group(group, batch)
 
 
 def _device_step(group: dict[str, Any]) -> bool:

@@ -221,14 +221,7 @@ class Adam(Optimizer):
             stepped += len(batch)
             if not batch:
                 continue
-            hp = _hyper(group)
-            if group["fused"]:
-                adam_fused_(batch, hp)
-            elif _use_foreach(group, batch):
-                adam_foreach_(batch, hp)
-            else:
-                for tensors in batch:
-                    adam_single_(tensors, hp)
+            step_group(group, batch)
         if stepped == 0:
             self._warn_if_grads_on_other_attr()
         return loss
@@ -311,6 +304,19 @@ class AdamW(Adam):
             exp_avg_dtype=exp_avg_dtype,
             exp_avg_sq_dtype=exp_avg_sq_dtype,
         )
+
+
+def step_group(group: dict[str, Any], batch: list[AdamTensors]) -> None:
+    """One param group's Adam math on ``batch``, by the group's choice: the fused kernel,
+    foreach, or one tensor at a time (also the offloaded streamed step's math)."""
+    hp = _hyper(group)
+    if group["fused"]:
+        adam_fused_(batch, hp)
+    elif _use_foreach(group, batch):
+        adam_foreach_(batch, hp)
+    else:
+        for tensors in batch:
+            adam_single_(tensors, hp)
 
 
 def _hyper(group: dict[str, Any]) -> AdamHyper:
