@@ -1,12 +1,13 @@
 """The sign-off as a list of neutral blocks (headings, paragraphs, tables, charts), so that the
 Markdown and HTML renderers show exactly the same content in the same order.
 
-The order is a release manager's: the verdict and its rules; what changed since the baseline run
-and since the last release (numerics vs golden, checkpoint compatibility, speed vs baseline:
-``release_blocks``); the configuration matrix; the failures; then the rest (known bugs and their regression tests, flaky
-tests, skips by reason, results per suite and file, slowest tests and buckets, environment and,
-when given, mutation testing). Tables longer than ``FOLD_ROWS`` are folded (``Details``) so the
-sections a reader needs first stay on the first screen.
+The order (``outline.blocks``) is a release manager's: the verdict and its rules; what changed
+since the baseline run and since the last release (numerics vs golden, checkpoint compatibility,
+speed vs baseline: ``release_blocks``); the configuration matrix; the failures; then the rest
+(known bugs and their regression tests, flaky tests, skips by reason, results per suite and file,
+slowest tests and buckets, environment and, when given, mutation testing). Tables longer than
+``FOLD_ROWS`` are folded (``Details``) so the sections a reader needs first stay on the first
+screen.
 """
 
 from __future__ import annotations
@@ -251,15 +252,3 @@ def mutant_blocks(rep: Report) -> list[Block]:
                 ([Code(m.get("name", "?")), m.get("bug_class", ""), m.get("status", "?"),
                   Code(", ".join(m.get("killed_by", [])[:3])) if m.get("killed_by") else "-", m.get("reason", "")]
                  for m in muts)))]
-
-
-def blocks(rep: Report) -> list[Block]:
-    """The whole report, in order: verdict, changes (since the baseline run and the last release),
-    matrix, failures, then the rest."""
-    from harness.report import release_blocks as rel
-
-    return [*verdict_blocks(rep), *diff_blocks(rep.diff, rep.baseline_sources), *rel.golden_blocks(rep),
-            *rel.compat_blocks(rep), *rel.speed_blocks(rep), *matrix_blocks(rep),
-            *failure_blocks(rep), *regression_blocks(rep), *flaky_blocks(rep), *skip_blocks(rep),
-            *suite_blocks(rep), *slow_blocks(rep), *environment_blocks(rep), *mutant_blocks(rep),
-            *rel.golden_mutant_blocks(rep)]

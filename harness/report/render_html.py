@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 
 from harness.report import document as doc
-from harness.report import plots
+from harness.report import outline, plots
 from harness.report.junit_read import OUTCOMES, Counts, TestCase
 from harness.report.matrix_view import MatrixView
 from harness.report.sections import Report
@@ -174,6 +174,6 @@ def render_blocks(blocks: list[doc.Block], rep: Report) -> list[str]:
 
 
 def render(rep: Report) -> str:
-    body = "\n".join(render_blocks(doc.blocks(rep), rep))
+    body = "\n".join(render_blocks(outline.blocks(rep), rep))
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{esc(rep.title)}</title>'
             f"<style>{CSS}</style></head><body><h1>{esc(rep.title)}</h1>\n{body}\n</body></html>\n")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from harness.report import document as doc
-from harness.report import plots
+from harness.report import outline, plots
 from harness.report.sections import Report
 
 PLOT_DIR = "golden-plots"
@@ -42,7 +42,7 @@ def _charts(blocks: list[doc.Block]) -> list[doc.Chart]:
 
 def assets(rep: Report) -> dict[str, str]:
     """The image files the Markdown links to: relative path -> SVG text."""
-    return {plot_path(c): plots.golden_svg(c.data) for c in _charts(doc.blocks(rep)) if c.kind == "golden_plot"}
+    return {plot_path(c): plots.golden_svg(c.data) for c in _charts(outline.blocks(rep)) if c.kind == "golden_plot"}
 
 
 def render_blocks(blocks: list[doc.Block], with_assets: bool = False) -> list[str]:
@@ -69,5 +69,5 @@ def render_blocks(blocks: list[doc.Block], with_assets: bool = False) -> list[st
 def render(rep: Report, with_assets: bool = False) -> str:
     """The Markdown page: the matrix's table stands in for its heat map; golden plots are image links
     to ``assets(rep)`` when ``with_assets`` (the caller writes them next to the page)."""
-    lines = [f"# {rep.title}", "", *render_blocks(doc.blocks(rep), with_assets)]
+    lines = [f"# {rep.title}", "", *render_blocks(outline.blocks(rep), with_assets)]
     return "\n".join(lines).rstrip() + "\n"
