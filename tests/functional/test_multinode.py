@@ -36,6 +36,7 @@ from tests.functional.common.checkpointing import (
     assert_same_state,
     full_state,
     learning_rates,
+    train_with_checkpoint,
     wrap,
 )
 from tests.functional.common.models import loss_fn, make_batch
@@ -80,19 +81,6 @@ def _step(model: torch.nn.Module, optimizer: Any, step: int, device: torch.devic
     return total.item() / world
 
 
-def _uninterrupted(case: Case, device: torch.device, target: Path) -> dict[str, Any]:
-    model, optimizer = wrap(case, device, seed=0)
-    losses: list[float] = []
-    at_save: dict[str, torch.Tensor] = {}
-    for step in range(N_STEPS):
-        if step == K_SAVE:
-            checkpoint.save(target, model, optimizer, extra={"next_step": step, "losses": list(losses)})
-            at_save = full_state(model, optimizer)
-        losses.append(_step(model, optimizer, step, device))
-    return {"losses": losses, "at_save": at_save, "final": full_state(model, optimizer),
-            "lr": learning_rates(optimizer)}
-
-
 def _data_files_seen_by_every_rank(target: Path) -> list[list[str]]:
     """Every rank's listing of the checkpoint's DCP data files (gathered), with its node."""
     mine = sorted(p.name for p in checkpoint.data_dir(target).glob("*.distcp"))
@@ -108,7 +96,8 @@ def test_checkpoint_resume_across_nodes(case: Case, dist_env: Any, shared_tmp_pa
     if WORLD % 2 and case.outer is not None:
         pytest.skip(f"HSDP needs an even world size, got {WORLD}")
     target = shared_tmp_path / "ckpt"
-    record = _uninterrupted(case, dist_env.device, target)
+    model, optimizer = wrap(case, dist_env.device, seed=0)
+    record = train_with_checkpoint(case, model, optimizer, dist_env.device, target, step_fn=_step)
 
     seen = _data_files_seen_by_every_rank(target)
     files = {tuple(s[1:]) for s in seen}

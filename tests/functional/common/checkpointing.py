@@ -126,17 +126,19 @@ def assert_same_state(actual: dict[str, torch.Tensor], expected: dict[str, torch
 
 
 def train_with_checkpoint(case: Case, model: torch.nn.Module, optimizer: Any, device: torch.device,
-                          target: Path) -> dict[str, Any]:
+                          target: Path, step_fn: Any = None) -> dict[str, Any]:
     """The uninterrupted run: ``N_STEPS`` steps, saving to ``target`` before step ``K_SAVE``.
     Returns the record a resume is checked against: per-step losses, the state at the save and
-    at the end, and the learning rates."""
+    at the end, and the learning rates. ``step_fn(model, optimizer, step, device) -> loss``
+    replaces ``train_step`` (a suite with its own data split)."""
     losses: list[float] = []
     at_save: dict[str, torch.Tensor] = {}
     for step in range(N_STEPS):
         if step == K_SAVE:
             checkpoint.save(target, model, optimizer, extra={"next_step": step, "losses": list(losses)})
             at_save = full_state(model, optimizer)
-        losses.append(train_step(model, optimizer, case.model, step, device))
+        losses.append(step_fn(model, optimizer, step, device) if step_fn is not None
+                      else train_step(model, optimizer, case.model, step, device))
     return {"losses": losses, "at_save": at_save, "final": full_state(model, optimizer),
             "lr": learning_rates(optimizer)}
 
