@@ -106,6 +106,13 @@ class FaultBuilder:
         return Fault("timeout", summary, None, sections + self.where_section(pending), dead_ranks=tuple(lost))
 
     def peer_failed(self, payloads: Payloads, pending: list[int], own_output: str = "") -> Fault:
+        """A rank failed and others did not finish. If those others are gone (a lost node), that is
+        the cause and the failure is its consequence (gloo reports the closed connection at
+        once, long before the heartbeat timeout): wait until each has beaten again or is lost."""
+        store = self._store()
+        if self.liveness.settle_since([r for r in pending if r != 0], time.monotonic(),
+                                      poll=lambda: self.liveness.poll(store)):
+            return self.died(pending, own_output)
         cause = first_failed_rank(payloads)
         name = self.placement.label(cause) if cause is not None else "a rank"
         summary = (f"{name} failed first; rank(s) {pending} did not finish within the {self.grace_s:g} s "

@@ -79,6 +79,20 @@ class Liveness:
         """Ranks that may be lost: no beat for a few periods, not yet for the whole timeout."""
         return [r for r in ranks if SILENT_AFTER_S < self.silent_s(r) <= self.timeout_s]
 
+    def settle_since(self, ranks: list[int], since: float, poll: Callable[[], None]) -> list[int]:
+        """Wait until each of ``ranks`` has beaten after ``since`` (a monotonic time) or is lost;
+        return the lost ones. Alive ranks, also those blocked in a collective, beat within a
+        period or two; only lost ones take the whole timeout."""
+        def undecided() -> list[int]:
+            with self._lock:
+                fresh = {r for r in ranks if r in self._seen and self._seen[r][1] > since}
+            return [r for r in ranks if r not in fresh and r in self._seen and r not in self.lost([r])]
+
+        while undecided():
+            poll()
+            time.sleep(0.1)
+        return self.lost(ranks)
+
     def settle(self, ranks: list[int], limit_s: float, poll: Callable[[], None]) -> list[int]:
         """Wait (at most ``limit_s``, and never past the timeout) until each silent rank among ``ranks``
         either beats again or is lost; return the lost ones. ``poll`` reads the counters (the

@@ -29,7 +29,7 @@ def _rows(path: Path) -> list[dict]:
 
 def test_defaults_and_csv_lists() -> None:
     a = suite.parse_args([])
-    assert a.sizes == ["1.3b"] and a.impls == list(impls.IMPLS) and a.reps == 3
+    assert a.sizes == ["1.3b"] and a.impls == list(impls.DEFAULT_IMPLS) and a.reps == 3
     a = suite.parse_args(["--sizes", "0.35b,2.7b", "--impls", "fsdp2,ours-z3", "--reps", "5"])
     assert a.sizes == ["0.35b", "2.7b"] and a.impls == ["fsdp2", "ours-z3"] and a.reps == 5
 
