@@ -46,7 +46,8 @@ SIZES = {
 }
 CELLS = {
     "ours": "fsdp_impl ZeRO-3, bf16 module, fp32 main params and grads, torch AdamW (foreach), no offload",
-    "ours-gpu": "as ours + OffloadPolicy() (step='gpu': main params + moments on the host, streamed step)",
+    "ours-gpu": ("as ours + OffloadPolicy() (step='gpu': main params, grads and moments on the host, streamed step; "
+                 "a bf16 compute shard stays on the device)"),
     "ours-gpu-hostall": "as ours + OffloadPolicy(params=True, grads=True) (nothing rests on the device)",
     "ours-cpu": "as ours + OffloadPolicy(step='cpu') (host step, torch's fused CPU AdamW)",
     "fsdp2": "torch fully_shard per block + root, fp32 module, param bf16 / reduce fp32, AdamW (foreach)",
@@ -66,8 +67,8 @@ def num_params(cfg: GPTConfig) -> int:
 def offload_bytes(cell: str, n: int) -> tuple[int, int]:
     """(H2D, D2H) bytes one training step of ``cell`` moves between host and device, per rank of
     1, fp32 main params/grads/moments, bf16 compute, ZeRO-3 (two gathers per step)."""
-    if cell == "ours-gpu":  # window: main + 2 moments in, main + 2 moments out; gathers from the device shard
-        return 12 * n, 12 * n
+    if cell == "ours-gpu":  # window: main + 2 moments + grads in, main + 2 moments out; grads down after the
+        return 16 * n, 12 * n + 4 * n  # backward; gathers from the device compute shard (refreshed from the window)
     if cell == "ours-gpu-hostall":  # window also streams the grads in; grads down after backward; 2 gathers from host
         return 16 * n + 2 * 4 * n, 12 * n + 4 * n
     if cell == "ours-cpu":  # grads down; the bf16 compute shard refreshed once per step (fp32 up)

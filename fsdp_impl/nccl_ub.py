@@ -78,6 +78,34 @@ def check_backend(groups: Sequence[dist.ProcessGroup]) -> None:
                              "backend")
 
 
+def nccl_allocator(group: dist.ProcessGroup, device: torch.device) -> Any:
+    """NCCL's allocator (``ncclMemAlloc``) as torch exposes it, or a clear error at wrap time.
+
+    torch offers it only where NCCL is 2.19 or newer and the device supports multicast (driver,
+    fabric and ``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED``); elsewhere it raises "NCCL mem
+    allocator is not supported in this NCCL version" (seen on a one-H200 machine whose GPU
+    reports no multicast). Registering cudaMalloc memory instead would silently change what
+    nccl_ub means, so this refuses."""
+    backend: Any = group._get_backend(device)
+    try:
+        return backend.mem_allocator
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"nccl_ub=True (NCCL user-buffer registration) needs NCCL's memory allocator, which torch "
+            f"refuses on {device}: {err} (torch offers it with NCCL >= 2.19 on GPUs that support "
+            "multicast, see torch.cuda / ProcessGroupNCCL.supportsTensorAlloc); pass nccl_ub=False here"
+        ) from err
+
+
+def allocator_unavailable(group: dist.ProcessGroup, device: torch.device) -> str | None:
+    """Why ``nccl_ub=True`` cannot run on ``device`` (None when it can): for tests that skip."""
+    try:
+        nccl_allocator(group, device)
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
 class UserBuffers:
     """One model's NCCL memory pool and its one-time registration."""
 
@@ -88,8 +116,7 @@ class UserBuffers:
         self.registrations = 0  # registrations made (one per group, once)
         self.pool: torch.cuda.MemPool | None = None
         if _recording is None:
-            backend = groups[0]._get_backend(device)
-            self.pool = torch.cuda.MemPool(backend.mem_allocator)
+            self.pool = torch.cuda.MemPool(nccl_allocator(groups[0], device))
         self._registered = False
 
     @contextlib.contextmanager

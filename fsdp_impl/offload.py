@@ -50,8 +50,8 @@ class OffloadPolicy:
     * ``optimizer_state`` (True): optimizer state (Adam's moments) in host memory.
     * ``main_params`` (True): the main-parameter shards (``model.parameters()``) in host memory.
     * ``grads`` (None): the reduced grad shards in host memory between the backward and the step;
-      None means where the step reads them: on the host for ``step="cpu"``, on the device for
-      ``step="gpu"``.
+      None means on the host whenever the main params are (torch keeps ``.grad`` on its param's
+      device, so host main params take host grads), else on the device (``main_params=False``).
     * ``params`` (False): True gathers every unit straight from its host shard (no copy of the
       weights stays on the device); False keeps a compute-dtype copy of the shard on the device.
     * ``step`` (``"gpu"``): ``"gpu"`` streams host state through the device in chunks and does
@@ -89,6 +89,10 @@ class OffloadPolicy:
         if self.step == "cpu" and self.grads is False:
             raise ValueError("OffloadPolicy(step='cpu') reads the grads on the host: grads must be None or True, "
                              "got False")
+        if self.main_params and self.grads is False:
+            raise ValueError("OffloadPolicy(main_params=True) keeps model.parameters() in host memory, and torch "
+                             "requires .grad on its parameter's device: grads must be None or True, got False "
+                             "(use main_params=False to keep grads and main params on the device)")
         if self.params and not self.main_params:
             raise ValueError("OffloadPolicy.params=True gathers from the host main-parameter shards, so it "
                              "needs main_params=True")
@@ -99,7 +103,7 @@ class OffloadPolicy:
     @property
     def grads_on_host(self) -> bool:
         """Where the reduced grad shards wait for the step (``grads`` resolved)."""
-        return self.grads if self.grads is not None else self.step == "cpu"
+        return self.grads if self.grads is not None else (self.step == "cpu" or self.main_params)
 
     @property
     def device_compute_shard(self) -> bool:

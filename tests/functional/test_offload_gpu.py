@@ -9,7 +9,7 @@ after ``zero_grad()`` (which frees the grads). Offload moves bytes to the host a
 
 | case | moved to the host | after wrap | after step | after zero_grad |
 |---|---|---|---|---|
-| ``gpu`` | main params, moments | 8S - 4S + 2S = 6S | 16S - 12S + 2S = 6S | 12S - 12S + 2S = 2S |
+| ``gpu`` | main params, moments, grads | 8S - 8S + 2S = 2S | 16S - 16S + 2S = 2S | 12S - 12S + 2S = 2S |
 | ``gpu_host_all`` | main params, moments, grads (no compute shard) | 0 | 0 | 0 |
 | ``gpu_state_only`` | moments | 8S | 16S - 8S = 8S | 12S - 8S = 4S |
 | ``cpu`` | main params, moments, grads | 2S | 2S | 2S |
@@ -45,12 +45,18 @@ MIB = 2**20
 SLACK = MIB
 CHUNK_BYTES = 32 * MIB
 # case -> (after wrap, after step, after zero_grad) in units of S bytes (the table above)
-RESTING = {None: (8, 16, 12), "gpu": (6, 6, 2), "gpu_host_all": (0, 0, 0), "gpu_state_only": (8, 8, 4),
+RESTING = {None: (8, 16, 12), "gpu": (2, 2, 2), "gpu_host_all": (0, 0, 0), "gpu_state_only": (8, 8, 4),
            "cpu": (2, 2, 2)}
-# step='cpu' on a GPU run: the host's fused Adam against the GPU's foreach Adam, then bf16
-# compute. The fp32 main params differ by rounding (~1e-7 relative per step); a bf16 cast that
-# rounds the other way moves one weight by 2^-8 relative, averaged over thousands in the loss.
-GPU_CPU_STEP_LOSS_RTOL = 1e-3
+# Runs that differ from no offload by rounding only: step='cpu' (the host's fused Adam against the
+# GPU's foreach Adam), and clipping with host grads (clip_grad_norm's norms of host grads come
+# from the host's reduction kernels, so the clip coefficient can differ in its last bits). The
+# fp32 main params then differ by ~1e-7 relative per step, and a bf16 cast that rounds the other
+# way moves a weight by 2^-8 relative; at this test's lr 1e-3 on a 4-layer GPT the losses drift
+# apart chaotically from the third step on. Measured on one H200 (torch 2.11, 6 steps):
+# losses 4.9e-4 - 1.6e-3 relative (step='cpu'), 3.7e-4 - 2.9e-3 (clipped host grads); params
+# 2.6e-4 - 3.4e-4 over the model. The bounds are twice / three times the largest measured.
+GPU_ROUNDING_LOSS_RTOL = 6e-3
+GPU_ROUNDING_PARAM_RTOL = 1e-3
 
 
 class Block(ResidualMLP):
@@ -127,32 +133,38 @@ OPTIMIZERS = {
 
 
 @pytest.mark.distributed(world_size=1, timeout=600)
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
 @pytest.mark.parametrize("optim", list(OPTIMIZERS))
 @pytest.mark.parametrize("case", ["gpu", "gpu_host_all", "gpu_state_only", "cpu"])
 @pytest.mark.matrix(mesh=axes.mesh(1), zero="optim_grads_params", dtype="bf16", model="gpt",
                     offload=matrix.param("case"))
-def test_offload_losses_match_no_offload_on_gpu(case: str, optim: str, dist_env) -> None:
-    """A bf16 GPT (fp32 main params) with clipping: the streamed step's losses and params equal
-    no offload's bit for bit; step='cpu' within GPU_CPU_STEP_LOSS_RTOL (measured values printed)."""
+def test_offload_losses_match_no_offload_on_gpu(case: str, optim: str, clip: bool, dist_env) -> None:
+    """A bf16 GPT (fp32 main params), with and without clipping: the streamed step's losses and
+    params equal no offload's bit for bit when both sides run the same math (no clip, or device
+    grads); step='cpu' and clipped host grads within GPU_ROUNDING_* (measured values printed)."""
     device = dist_env.device
     kwargs: dict[str, Any] = dict(zero_dp_strategy=3,
                                   mixed_precision_policy=fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32))
     norms: dict[str, list[float]] = {"ref": [], "off": []}
 
-    def clip(into: str) -> Any:
+    def clipper(into: str) -> Any:
+        if not clip:
+            return None
         return lambda model, opt, step: norms[into].append(float(fsdp_impl.clip_grad_norm(model, 1.0)))
 
     make_opt = OPTIMIZERS[optim]
     gpt = dict(d=256, heads=4, layers=4)
-    ref = train("gpt", device, kwargs, steps=6, make_opt=make_opt, dtype=torch.bfloat16, before_step=clip("ref"),
+    off_policy = policy(case, device)
+    ref = train("gpt", device, kwargs, steps=6, make_opt=make_opt, dtype=torch.bfloat16, before_step=clipper("ref"),
                 **gpt)
-    off = train("gpt", device, dict(kwargs, offload_policy=policy(case, device)), steps=6, make_opt=make_opt,
-                dtype=torch.bfloat16, before_step=clip("off"), **gpt)
+    off = train("gpt", device, dict(kwargs, offload_policy=off_policy), steps=6, make_opt=make_opt,
+                dtype=torch.bfloat16, before_step=clipper("off"), **gpt)
     loss_err, param_err = max_loss_error(off[0], ref[0]), model_relative_error(off[1], ref[1])
-    print(f"MEASURED offload {case} {optim}: losses {loss_err:.3e} relative, params {param_err:.3e} relative")
-    if case == "cpu":
-        assert loss_err <= GPU_CPU_STEP_LOSS_RTOL
-        assert param_err <= GPU_CPU_STEP_LOSS_RTOL
+    print(f"MEASURED offload {case} {optim} clip={clip}: losses {loss_err:.3e} relative, "
+          f"params {param_err:.3e} relative")
+    if case == "cpu" or (clip and off_policy.grads_on_host):
+        assert loss_err <= GPU_ROUNDING_LOSS_RTOL
+        assert param_err <= GPU_ROUNDING_PARAM_RTOL
     else:
         assert off[0] == ref[0] and norms["off"] == norms["ref"]
         assert all(torch.equal(off[1][n], ref[1][n]) for n in ref[1]), "params differ from no offload"
@@ -180,4 +192,4 @@ def test_offload_checkpoint_round_trip_on_gpu(saved: str | None, loaded: str | N
     if (saved == "cpu") == (loaded == "cpu"):
         assert resumed == losses[K_SAVE:] and all(torch.equal(got[n], final[n]) for n in final)
     else:
-        assert max_loss_error(resumed, losses[K_SAVE:]) <= GPU_CPU_STEP_LOSS_RTOL
+        assert max_loss_error(resumed, losses[K_SAVE:]) <= GPU_ROUNDING_LOSS_RTOL

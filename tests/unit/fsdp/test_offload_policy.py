@@ -49,6 +49,8 @@ def test_chunk_bytes_is_an_int_of_at_least_the_minimum(value: object, error: typ
     (dict(step="cpu", main_params=False), "main_params and optimizer_state must be True"),
     (dict(step="cpu", optimizer_state=False), "main_params and optimizer_state must be True"),
     (dict(step="cpu", grads=False), "grads must be None or True"),
+    (dict(step="cpu", grads=False, main_params=True), "grads must be None or True"),
+    (dict(grads=False), "requires .grad on its parameter's device"),
     (dict(params=True, main_params=False), "params=True gathers from the host main-parameter shards"),
     (dict(optimizer_state=False, main_params=False), "offloads nothing"),
 ])
@@ -60,7 +62,9 @@ def test_inconsistent_combinations_are_refused(kwargs: dict, match: str) -> None
 def test_defaults_and_resolved_grads() -> None:
     policy = OffloadPolicy()
     assert (policy.step, policy.optimizer_state, policy.main_params, policy.params) == ("gpu", True, True, False)
-    assert policy.grads_on_host is False and policy.device_compute_shard
+    # host main params take host grads (torch: .grad on the param's device); device ones keep them
+    assert policy.grads_on_host is True and policy.device_compute_shard
+    assert OffloadPolicy(main_params=False).grads_on_host is False
     assert OffloadPolicy(step="cpu").grads_on_host is True
     assert OffloadPolicy(grads=True).grads_on_host is True
     assert OffloadPolicy(params=True).device_compute_shard is False
