@@ -26,6 +26,7 @@ gathered there, every rank would keep the full weight anyway).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,10 +44,18 @@ from .fp8.quantizer import DelayedQuantizer
 from .fp8.sharded import ShardedQuantization, ShardedWeight
 from .fp8.state import advance_all, delayed_quantizers, pack_pending, set_deferred
 from .fp8.tensor import Fp8Tensor
-from .fp8_te import TeFp8Param, free_storage, is_te_quantized, module_has_te_fp8_params, quantize_te
+from .fp8_te import (
+    TeFp8Param,
+    TeQuantize,
+    fill_te,
+    free_storage,
+    is_te_quantized,
+    module_has_te_fp8_params,
+    quantize_te,
+)
 from .param import ManagedParam
 from .policy import MixedPrecisionPolicy, ShardingStrategy
-from .sharding import FlatLayout, ParamSlot, shard_row_range
+from .sharding import FlatLayout, shard_row_range
 
 _ALIGN = 16  # byte alignment of the two parts of a gather segment
 MAIN_DTYPES = (torch.float32, torch.float64)
@@ -136,6 +145,25 @@ QUANTIZE: dict[str, Callable[[list[QuantizeItem], dist.ProcessGroup], None]] = {
     NativeFp8Param.kind: quantize_native,
     TeFp8Param.kind: quantize_te,
 }
+# Per kind: the requantisation of a fixed list of items, built once, then called with the group
+# every step (``ModelFp8.requantize`` keeps them): TE's keeps its per-weight objects.
+_Plan = Callable[[dist.ProcessGroup], None]
+PLAN: dict[str, Callable[[list[QuantizeItem]], _Plan]] = {
+    NativeFp8Param.kind: lambda items: functools.partial(quantize_native, items),
+    TeFp8Param.kind: TeQuantize,
+}
+
+
+def _fill_each(params: list[Any], keep_transpose: bool) -> None:
+    for f in params:
+        f.filled(keep_transpose)
+
+
+# Per kind: new bytes landed in a unit's params of that kind (TE: one post-gather call per unit).
+FILL: dict[str, Callable[[list[Any], bool], None]] = {
+    NativeFp8Param.kind: _fill_each,
+    TeFp8Param.kind: fill_te,
+}
 
 
 def _allocate(t: torch.Tensor) -> None:
@@ -148,23 +176,22 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _unpack_slot(rows: torch.Tensor, base: int, slot: ParamSlot, out: torch.Tensor) -> None:
-    """Copy one param out of gathered ``rows`` ([n, segment]) whose part starts at column ``base``."""
-    part = rows.narrow(1, base + slot.offset, slot.padded_numel)
-    out.view(-1).copy_(part.reshape(-1)[: out.numel()])
-
-
 class UnitFp8:
     """The FP8 side of one unit: byte layout, persistent local FP8 shard, gather and unpack."""
 
     def __init__(self, params: list[ManagedParam], fp8: list[Any], num_shards: int, rank: int,
-                 compute: torch.dtype, device: torch.device, keep_transpose: bool) -> None:
+                 compute: torch.dtype, device: torch.device, keep_transpose: bool,
+                 graph_mode: bool = False) -> None:
         owned = [f.managed for f in fp8]
         self.fp8_params = fp8
         self.other_index = [i for i, p in enumerate(params) if all(p is not o for o in owned)]
         self.other_params = [params[i] for i in self.other_index]
         self.n, self.rank, self.compute, self.device = num_shards, rank, compute, device
         self.keep_transpose = keep_transpose
+        self.graph_mode = graph_mode  # capture-safe copies (``FlatLayout.unpack_all(fused=False)``)
+        self._by_kind: dict[str, list[Any]] = {}
+        for f in fp8:
+            self._by_kind.setdefault(f.kind, []).append(f)
         self._plane_slots: list[list[int]] = []
         shapes: list[tuple[int, int]] = []
         for f in fp8:
@@ -181,17 +208,43 @@ class UnitFp8:
         self._send = torch.zeros(self.fp8_bytes + self.other_bytes, dtype=torch.uint8, device=device)
         self.fp8_local = self._send[: self.fp8_layout.segment_numel]
         self._with_fp8 = True  # does the gather in flight (a unit has at most one) carry FP8 bytes?
+        # Every byte plane in slot order (the planes are persistent tensors, refilled and freed).
+        self._planes = [data for f in fp8 for data in f.planes()]
+        # Built on first use for the weight buffer they view (rebuilt if that tensor is replaced).
+        self._items: tuple[torch.Tensor, list[QuantizeItem]] | None = None
+        self._copies: tuple[torch.Tensor, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] | None = None
 
     def owns(self, p: ManagedParam) -> bool:
         return any(f.managed is p for f in self.fp8_params)
 
     def quantize_items(self, weight: DataParallelBuffer) -> list[QuantizeItem]:
+        """This unit's share of a requantisation: the same list (views of ``weight``'s data and of
+        the persistent FP8 segment) every step, so the requantisation can keep per-item state."""
+        if self._items is not None and self._items[0] is weight.data:
+            return self._items[1]
         items = []
         for f, slots in zip(self.fp8_params, self._plane_slots, strict=True):
             start, _ = shard_row_range(f.shape[0], self.n, self.rank)
             out = [self.fp8_layout.local_view(self.fp8_local, s, self.rank) for s in slots]
             items.append(QuantizeItem(f, weight.local_view(f.index), start, out, self.compute))
+        self._items = (weight.data, items)
         return items
+
+    def _other_copies(self, weight: DataParallelBuffer) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """(destinations, sources) per dtype pair: the other params' main shards into their place
+        behind the FP8 bytes of the send segment (one ``_foreach_copy_`` each)."""
+        if self._copies is not None and self._copies[0] is weight.data:
+            return self._copies[1]
+        others = self._send[self.fp8_bytes: self.fp8_bytes + self.other_nbytes].view(self.compute)
+        groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for j, i in enumerate(self.other_index):
+            dst, src = self.other_layout.local_view(others, j, self.rank), weight.local_view(i)
+            if dst.numel():
+                pair = groups.setdefault((dst.dtype, src.dtype), ([], []))
+                pair[0].append(dst)
+                pair[1].append(src)
+        self._copies = (weight.data, list(groups.values()))
+        return self._copies[1]
 
     def _gathers_fp8(self) -> bool:
         """False only in a backward whose forward kept every FP8 param's transposed copy.
@@ -220,9 +273,8 @@ class UnitFp8:
         fp8_bytes = self.fp8_bytes if self._with_fp8 else 0
         segment = fp8_bytes + self.other_bytes
         local = self._send[self.fp8_bytes - fp8_bytes:]  # [FP8 bytes |] other params
-        others = self._send[self.fp8_bytes: self.fp8_bytes + self.other_nbytes].view(self.compute)
-        for j, i in enumerate(self.other_index):
-            self.other_layout.local_view(others, j, self.rank).copy_(weight.local_view(i))
+        for dsts, srcs in self._other_copies(weight):
+            torch._foreach_copy_(dsts, srcs)
         gathered = torch.empty(segment * self.n, dtype=torch.uint8, device=self.device)
         if segment:
             comm.all_gather(gathered, local, group)
@@ -234,11 +286,13 @@ class UnitFp8:
         fp8_bytes = self.fp8_bytes if self._with_fp8 else 0
         rows = gathered.view(self.n, fp8_bytes + self.other_bytes)
         if self._with_fp8:
-            for f, slots in zip(self.fp8_params, self._plane_slots, strict=True):
-                for data, s in zip(f.planes(), slots, strict=True):
-                    _allocate(data)
-                    _unpack_slot(rows, 0, self.fp8_layout.slots[s], data)
-                f.filled(self.keep_transpose)
+            for data in self._planes:
+                _allocate(data)
+            # every plane in one call (one kernel where the layout allows: ``unpack_all``)
+            self.fp8_layout.unpack_all(rows.narrow(1, 0, self.fp8_layout.segment_numel), self._planes,
+                                       fused=not self.graph_mode)
+            for kind, params in self._by_kind.items():
+                FILL[kind](params, self.keep_transpose)
         others = rows.narrow(1, fp8_bytes, self.other_nbytes).contiguous().view(self.compute).reshape(-1)
         return others, self.other_layout, self.other_params
 
@@ -257,20 +311,29 @@ class ModelFp8:
         self.group = group  # shard group: the weights' partial amaxes
         self.amax_group = amax_group  # all data-parallel ranks: activations' and grads' amaxes
         self.delayed = delayed
+        # per set of units (by their item lists, kept alive here so their ids stay theirs): the
+        # requantisation plans, one per kind; ZeRO-3 requantises every unit each step (one entry)
+        self._plans: dict[tuple[int, ...], tuple[list[list[QuantizeItem]], list[_Plan]]] = {}
 
     def requantize(self, units: Sequence[Any]) -> None:
         """Quantise the FP8 params of ``units`` (the units whose main weights changed; engine
         unit order, identical on every rank) from their main shards."""
-        by_kind: dict[str, list[QuantizeItem]] = {}
-        for unit in units:
-            if unit.fp8 is not None:
-                for item in unit.fp8.quantize_items(unit.weight):
-                    by_kind.setdefault(item.param.kind, []).append(item)
-        if not by_kind:
+        lists = [unit.fp8.quantize_items(unit.weight) for unit in units if unit.fp8 is not None]
+        if not lists:
             return
+        key = tuple(map(id, lists))
+        cached = self._plans.get(key)
+        if cached is None:
+            by_kind: dict[str, list[QuantizeItem]] = {}
+            for items in lists:
+                for item in items:
+                    by_kind.setdefault(item.param.kind, []).append(item)
+            if len(self._plans) >= 8:  # ZeRO-1/2 may requantise changing subsets
+                self._plans.clear()
+            cached = self._plans[key] = (lists, [PLAN[kind](items) for kind, items in by_kind.items()])
         with record_function("FSDP::fp8_requantize"), torch.no_grad():
-            for kind, items in by_kind.items():
-                QUANTIZE[kind](items, self.group)
+            for plan in cached[1]:
+                plan(self.group)
 
     def after_sync_backward(self) -> None:
         """Delayed scaling: one MAX all-reduce of every pending amax, then advance all histories."""
@@ -345,7 +408,7 @@ def unit_fp8(unit: Any, keep_transpose: bool) -> UnitFp8 | None:
     if not fp8:
         return None
     return UnitFp8(unit.params, fp8, ctx.num_shards, ctx.layout_rank, unit.dtypes.compute, ctx.device,
-                   keep_transpose)
+                   keep_transpose, graph_mode=ctx.graph_mode)
 
 
 def model_fp8(module: nn.Module, units: Sequence[Any], group: dist.ProcessGroup,

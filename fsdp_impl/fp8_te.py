@@ -124,11 +124,7 @@ class TeFp8Param:
     def filled(self, keep_transpose: bool) -> None:
         """New bytes landed: drop stale transposes; with ``keep_transpose`` build them now (what
         TE's ``post_all_gather_processing`` does: the transpose Hopper's GEMMs need)."""
-        self.attach()
-        _invalidate_transpose(self.tensor)
-        if keep_transpose:
-            from transformer_engine.pytorch.tensor.utils import post_all_gather_processing
-            post_all_gather_processing(self.tensor)
+        fill_te([self], keep_transpose)
 
     def release(self, keep_transpose: bool) -> None:
         for plane, (field, data) in enumerate(zip(self.fields, self.storage, strict=True)):
@@ -163,28 +159,75 @@ def _invalidate_transpose(tensor: Any) -> None:
         tensor._columnwise_data = None
 
 
+def fill_te(params: list[TeFp8Param], keep_transpose: bool) -> None:
+    """New bytes landed in ``params`` (one unit's TE weights): point each tensor at them and drop
+    its stale transposes; with ``keep_transpose`` build them now with one call of TE's
+    ``post_all_gather_processing`` for the whole list (it takes a list: per ``Float8Tensor``
+    ``_create_transpose``, i.e. one ``tex.fp8_transpose``, where the GEMMs need the transposed
+    bytes (Hopper), ``_create_columnwise`` for block scaling, nothing for MXFP8)."""
+    for p in params:
+        p.attach()
+        _invalidate_transpose(p.tensor)
+    if keep_transpose and params:
+        from transformer_engine.pytorch.tensor.utils import post_all_gather_processing
+        post_all_gather_processing([p.tensor for p in params])
+
+
 def quantize_te(items: list[Any], group: torch.distributed.ProcessGroup) -> None:
-    """Sharded quantisation of TE weights: every rank casts its main rows (as the compute dtype,
-    as TE does) into its byte rows after one MAX all-reduce of the partial amaxes per recipe;
-    empty shards still join the reduction. Current-scaling weights take ``_quantize_current``
-    (TE's amax and scale kernels, torch's cast); the other recipes TE's ``quantize_master_weights``."""
-    for item in items:
-        item.param.attach()
-    current: list[Any] = []
-    others: list[Any] = []
-    for item in items:
-        (current if _is_current_scaling(item.param.tensor) else others).append(item)
-    if current:
-        _quantize_current(current, group)
-    if not others:
-        return
-    from transformer_engine.pytorch.tensor.utils import quantize_master_weights
-    shards = [item.out[0].reshape(-1) if len(item.out) == 1 else tuple(o.reshape(-1) for o in item.out)
-              for item in others]
-    quantize_master_weights([item.param.tensor for item in others],
-                            [item.shard.reshape(-1) if item.shard.numel() else None for item in others],
-                            [item.row_start * item.param.shape[1] for item in others], group,
-                            fsdp_shard_model_weights=shards, manual_post_all_gather_processing=True)
+    """Sharded quantisation of TE weights, once (``TeQuantize`` keeps its state for the next step)."""
+    TeQuantize(items)(group)
+
+
+class TeQuantize:
+    """The sharded quantisation of a fixed list of TE weights, built once and run every step:
+    every rank casts its main rows (as the compute dtype, as TE does) into its byte rows after
+    one MAX all-reduce of the partial amaxes per recipe; empty shards still join the reduction.
+    Current-scaling weights take ``CurrentScalingCast`` (TE's scale kernel and cast, batched
+    host work); the other recipes TE's ``quantize_master_weights``.
+
+    Built again when a weight's quantizer or scale-inverse tensor was replaced since (TE
+    rebinding them would otherwise leave the cached state writing into the old tensors)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+        self._build()
+
+    def _build(self) -> None:
+        for item in self.items:
+            item.param.attach()
+        self._bound = [_binding(item.param.tensor) for item in self.items]
+        current = [it for it in self.items if _is_current_scaling(it.param.tensor)]
+        self.others = [it for it in self.items if not _is_current_scaling(it.param.tensor)]
+        self.current = CurrentScalingCast(current) if current else None
+        if self.others:
+            self.other_args = (
+                [it.param.tensor for it in self.others],
+                [it.shard.reshape(-1) if it.shard.numel() else None for it in self.others],
+                [it.row_start * it.param.shape[1] for it in self.others],
+                [it.out[0].reshape(-1) if len(it.out) == 1 else tuple(o.reshape(-1) for o in it.out)
+                 for it in self.others])
+
+    def __call__(self, group: torch.distributed.ProcessGroup) -> None:
+        for item in self.items:
+            item.param.attach()
+        if not all(_bound_to(it.param.tensor, b) for it, b in zip(self.items, self._bound, strict=True)):
+            self._build()
+        if self.current is not None:
+            self.current(group)
+        if self.others:
+            from transformer_engine.pytorch.tensor.utils import quantize_master_weights
+            weights, masters, offsets, shards = self.other_args
+            quantize_master_weights(weights, masters, offsets, group, fsdp_shard_model_weights=shards,
+                                    manual_post_all_gather_processing=True)
+
+
+def _binding(tensor: Any) -> tuple[Any, Any]:
+    """What the cached quantisation state holds on to: the quantizer and the scale inverse."""
+    return getattr(tensor, "_quantizer", None), getattr(tensor, "_scale_inv", None)
+
+
+def _bound_to(tensor: Any, binding: tuple[Any, Any]) -> bool:
+    return getattr(tensor, "_quantizer", None) is binding[0] and getattr(tensor, "_scale_inv", None) is binding[1]
 
 
 def _is_current_scaling(tensor: Any) -> bool:
@@ -193,48 +236,111 @@ def _is_current_scaling(tensor: Any) -> bool:
     return type(tensor).__name__ == "Float8Tensor" and type(quantizer).__name__ == "Float8CurrentScalingQuantizer"
 
 
-def _quantize_current(items: list[Any], group: torch.distributed.ProcessGroup) -> None:
-    """TE's current-scaling master-weight cast step for step: ``compute_amax`` per shard (in the
-    compute dtype), one MAX all-reduce, ``multi_tensor_compute_scale_and_scale_inv`` into each
-    weight's ``_scale_inv``, then TE's cast of each shard with that scale into this rank's byte
-    rows, through a row-wise-only ``Float8Quantizer``. TE's ``quantize_master_weights`` casts
-    with column-wise usage on, which also transposes every shard: on the H200 that cast took
-    1.2-1.7 ms per 16.8M-element weight (85 ms of a 236 ms step of the 1.3B bench GPT), the
-    row-wise one 15 us (torch's ``mul`` into an FP8 view: 80 us). Same bytes: the tests compare
-    the gathered bytes with TE's own full-tensor quantisation."""
-    import transformer_engine_torch as tex
-    from transformer_engine.pytorch.optimizers.multi_tensor_apply import multi_tensor_applier
-    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+class CurrentScalingCast:
+    """TE's current-scaling master-weight cast (``quantize_master_weights`` for
+    ``Float8CurrentScalingQuantizer``, TE 2.20.2 ``tensor/utils.py``) step for step, with the
+    per-weight Python done once at construction:
 
-    weights = [item.param.tensor for item in items]
-    quantizers = [w._get_quantizer() for w in weights]
-    first = quantizers[0]
-    for q in quantizers:
-        if (q.dtype, q.force_pow_2_scales, q.amax_epsilon) != (first.dtype, first.force_pow_2_scales,
-                                                               first.amax_epsilon):
-            raise ValueError("FP8 current-scaling weights of one model must share fp8 dtype, "
-                             "force_pow_2_scales and amax_epsilon (one recipe)")
-    max_fp8 = {tex.DType.kFloat8E4M3: 448.0, tex.DType.kFloat8E5M2: 57344.0}[first.dtype]
-    device = items[0].shard.device
-    masters = [item.shard.reshape(-1).to(w.dtype) if item.shard.numel() else None
-               for item, w in zip(items, weights, strict=True)]
-    packed = torch.zeros(len(items), dtype=torch.float32, device=device)
-    amaxes = [packed[i:i + 1] for i in range(len(items))]
-    for master, amax in zip(masters, amaxes, strict=True):
-        if master is not None:
-            tex.compute_amax(master, amax)
-    torch.distributed.all_reduce(packed, op=torch.distributed.ReduceOp.MAX, group=group)
-    scales = [torch.empty(1, dtype=torch.float32, device=device) for _ in items]
-    multi_tensor_applier(tex.multi_tensor_compute_scale_and_scale_inv,
-                         torch.zeros(1, dtype=torch.int, device=device),
-                         [amaxes, scales, [w._scale_inv.view(1) for w in weights]],
-                         max_fp8, first.force_pow_2_scales, first.amax_epsilon)
-    for item, master, scale, w in zip(items, masters, scales, weights, strict=True):
-        if master is not None:
-            cast = Float8Quantizer(scale=scale, amax=torch.zeros(1, device=device), fp8_dtype=first.dtype,
+    1. cast each main shard to the weight's dtype (TE: ``master.to(model_weight.dtype)``): one
+       ``torch._foreach_copy_`` into a scratch buffer whose storage lives only for the call;
+    2. amaxes of those casts: one ``torch._foreach_norm(ord=inf)`` (the max magnitude, exact in
+       any order, as TE's ``compute_amax`` per weight), stacked into a persistent buffer
+       (empty shards stay 0, as TE leaves them);
+    3. one MAX all-reduce of that buffer over the shard group;
+    4. ``multi_tensor_compute_scale_and_scale_inv`` into persistent scales and each weight's
+       ``_scale_inv`` (the argument lists are built once);
+    5. per non-empty shard ``tex.quantize`` (what ``Float8Quantizer.update_quantized`` calls)
+       with a ``Float8Quantizer`` built once around that weight's persistent scale, row-wise
+       only, ``amax=torch.Tensor()`` as TE passes, writing into a ``Float8Tensor`` built once
+       around this rank's rows of the unit's persistent FP8 gather segment.
+
+    TE's own cast uses column-wise usage too, which also transposes every shard: on the H200
+    that cast took 1.2-1.7 ms per 16.8M-element weight, the row-wise one 15 us. Same bytes: the
+    tests compare the gathered bytes with TE's own full-tensor quantisation. Per step the host
+    runs a fixed number of batched calls plus one ``tex.quantize`` per weight, and nothing
+    waits for the device. One difference from ``compute_amax``: a NaN in a main shard makes the
+    amax NaN here (torch's max propagates it), where TE's kernel skips it."""
+
+    def __init__(self, items: list[Any]) -> None:
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+        weights = [item.param.tensor for item in items]
+        quantizers = [w._get_quantizer() for w in weights]
+        first = quantizers[0]
+        for q in quantizers:
+            if (q.dtype, q.force_pow_2_scales, q.amax_epsilon) != (first.dtype, first.force_pow_2_scales,
+                                                                   first.amax_epsilon):
+                raise ValueError("FP8 current-scaling weights of one model must share fp8 dtype, "
+                                 "force_pow_2_scales and amax_epsilon (one recipe)")
+        self.tex = tex
+        self.max_fp8 = {tex.DType.kFloat8E4M3: 448.0, tex.DType.kFloat8E5M2: 57344.0}[first.dtype]
+        self.pow2, self.epsilon = first.force_pow_2_scales, first.amax_epsilon
+        device = items[0].shard.device
+        n = len(items)
+        self.packed = torch.zeros(n, dtype=torch.float32, device=device)
+        scales = torch.empty(n, dtype=torch.float32, device=device)
+        self.noop = torch.zeros(1, dtype=torch.int, device=device)
+        self.lists = [[self.packed[i:i + 1] for i in range(n)], [scales[i:i + 1] for i in range(n)],
+                      [w._scale_inv.view(1) for w in weights]]
+        # Casts of the non-empty shards, one scratch buffer per weight dtype (one in practice).
+        nonempty = [i for i, item in enumerate(items) if item.shard.numel()]
+        self.all_nonempty = len(nonempty) == n
+        self.amax_slots = [self.packed[i] for i in nonempty]  # 0-dim, as the norms
+        self.scratch: list[torch.Tensor] = []
+        self.copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        self.views: list[torch.Tensor] = []  # the casts, in ``nonempty`` order
+        self.casts: list[tuple[torch.Tensor, Any, Any]] = []
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in nonempty:
+            by_dtype.setdefault(weights[i].dtype, []).append(i)
+        view_of: dict[int, torch.Tensor] = {}
+        for dtype, members in by_dtype.items():
+            sizes = [items[i].shard.numel() for i in members]
+            scratch = torch.empty(sum(sizes), dtype=dtype, device=device)
+            views = list(scratch.split(sizes))
+            self.scratch.append(scratch)
+            self.copies.append((views, [items[i].shard.reshape(-1) for i in members]))
+            view_of.update(zip(members, views, strict=True))
+        for i in nonempty:
+            w = weights[i]
+            cast = Float8Quantizer(scale=scales[i:i + 1], amax=torch.Tensor(), fp8_dtype=first.dtype,
                                    rowwise=True, columnwise=False)
-            rows = cast.create_tensor_from_data(item.out[0].view(1, -1), w.dtype)  # this rank's bytes
-            cast.update_quantized(master.view(1, -1), rows)
+            rows = cast.create_tensor_from_data(items[i].out[0].view(1, -1), w.dtype)  # this rank's bytes
+            self.views.append(view_of[i])
+            self.casts.append((view_of[i].view(1, -1), cast, rows))
+        for scratch in self.scratch:
+            free_storage(scratch)  # the views stay: its storage is allocated for each call only
+
+    def __call__(self, group: torch.distributed.ProcessGroup) -> None:
+        from transformer_engine.pytorch.optimizers.multi_tensor_apply import multi_tensor_applier
+
+        for scratch in self.scratch:
+            scratch.untyped_storage().resize_(scratch.numel() * scratch.element_size())
+        for dsts, srcs in self.copies:
+            torch._foreach_copy_(dsts, srcs)
+        if self.views:
+            amaxes = torch._foreach_norm(self.views, ord=float("inf"), dtype=torch.float32)
+            if self.all_nonempty:
+                torch.stack(amaxes, out=self.packed)
+            else:
+                self.packed.zero_()
+                torch._foreach_copy_(self.amax_slots, amaxes)
+        else:
+            self.packed.zero_()
+        torch.distributed.all_reduce(self.packed, op=torch.distributed.ReduceOp.MAX, group=group)
+        multi_tensor_applier(self.tex.multi_tensor_compute_scale_and_scale_inv, self.noop, self.lists,
+                             self.max_fp8, self.pow2, self.epsilon)
+        quantize = self.tex.quantize
+        for src, cast, rows in self.casts:
+            quantize(src, cast, rows, None)
+        for scratch in self.scratch:
+            free_storage(scratch)
+
+
+def _quantize_current(items: list[Any], group: torch.distributed.ProcessGroup) -> None:
+    """``CurrentScalingCast`` once (what ``tests/functional/test_fp8_te_cast.py`` compares with TE)."""
+    CurrentScalingCast(items)(group)
 
 
 def reset_te_fp8_state() -> None:

@@ -120,8 +120,10 @@ def quantize_master_weights(model_weights: list, master_weights: list, start_off
             shard.copy_(q.view(torch.uint8))
 
 
-def post_all_gather_processing(weight: Float8Tensor) -> None:
-    weight._transpose, weight._transpose_invalid = weight._data.t().contiguous(), False
+def post_all_gather_processing(weights: Float8Tensor | list[Float8Tensor]) -> None:
+    """As TE's: one weight or a list of them."""
+    for weight in weights if isinstance(weights, list) else [weights]:
+        weight._transpose, weight._transpose_invalid = weight._data.t().contiguous(), False
 
 
 @pytest.fixture
