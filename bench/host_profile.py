@@ -2,6 +2,7 @@
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     python -m bench.host_profile --impls ours-z3,ours-fp8-te-current     # FP8 TE cells need TransformerEngine
+    python -m bench.host_profile --impls ours-fp8-te-current --hooks     # per-hook host ms per step, no cProfile
 
 A step is host-bound when the GPU waits for the launches; ``bench.trace`` shows the idle GPU
 time, this shows which Python functions fill it. Per implementation (``bench.impls`` plus the FP8
@@ -10,6 +11,17 @@ sync after each (wall ms per step), then the same number of steps under ``cProfi
 slows Python, so compare functions with each other, not with the wall time), printed as the
 ``--top`` functions by own time and by cumulative time (rank 0). All implementations run in one
 process, one after the other; for throughput and memory use ``bench.suite``, which isolates them.
+
+``--hooks`` replaces the cProfile pass with a table of the engine's FP8 hooks (and its hook entry
+points, for scale): per step the calls and the host milliseconds spent inside each (wall clock and
+the training thread's CPU time; medians over ``--steps`` steps, a device sync between steps and
+outside the timed calls, nothing else added). Rows: ``ModelFp8.requantize`` (the sharded
+requantisation, once per step; of it the current-scaling cast), ``UnitFp8.gather`` (send segment,
+collective launch), ``UnitFp8.unpack`` (FP8 bytes into the weights and, with
+``keep_fp8_transpose_cache``, the transposes; of it TE's post-gather call), ``UnitFp8.release``,
+and their sum: the "host time in our FP8 hooks" of issue 29. The entry points include the FP8
+hooks they call (FP8 work sits in ``pre_forward`` / ``pre_backward`` and the release in
+``post_forward`` / ``grad_ready``).
 """
 from __future__ import annotations
 
@@ -19,9 +31,17 @@ import pstats
 import statistics
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from bench import cli, fp8_bench, impls, runtime
 from bench.runtime import Env
+
+ENGINE_ENTRY_POINTS = ("pre_forward", "submodule_pre_forward", "post_forward", "pre_backward", "grad_ready",
+                       "finish_backward", "zero_grad_buffers")
+FP8_TOP = ("requantize", "gather", "unpack", "release")  # "all FP8 hooks" sums these (none nests in another)
 
 
 def _wall_ms(env: Env, trainee: impls.Trainee, steps: int) -> list[float]:
@@ -41,12 +61,125 @@ def _stats(prof: cProfile.Profile, key: str, top: int, steps: int) -> str:
     return f"-- sorted by {key} (totals over {steps} steps) --\n" + buf.getvalue().split("\n", 4)[-1]
 
 
-def run_one(env: Env, name: str, size: str, micro_batch: int, warmup: int, steps: int, top: int) -> None:
+class _Clock:
+    """Calls and host seconds (wall, thread CPU) per name over one step."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls: dict[str, int] = defaultdict(int)
+        self.wall: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
+
+    def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            w0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.wall[name] += time.perf_counter() - w0
+                self.cpu[name] += time.thread_time() - c0
+                self.calls[name] += 1
+        return run
+
+
+@contextmanager
+def _patched(clock: _Clock, engine: Any) -> Iterator[list[tuple[str, str]]]:
+    """Time the FP8 hooks (class attributes, restored after) and the engine's entry points
+    (instance attributes, removed after); yields (name, what) rows in table order."""
+    from fsdp_impl import fp8_params, fp8_te
+
+    rows: list[tuple[str, str]] = []
+    undo: list[Callable[[], None]] = []
+
+    def patch(owner: Any, attr: str, name: str, what: str, instance: bool = False) -> None:
+        if owner is None or (attr not in owner if isinstance(owner, dict) else not hasattr(owner, attr)):
+            return  # another version of the engine (e.g. a baseline run): no such hook
+        original = owner[attr] if isinstance(owner, dict) else getattr(owner, attr)
+        wrapped = clock.timed(name, original)
+        if isinstance(owner, dict):
+            owner[attr] = wrapped
+            undo.append(lambda: owner.__setitem__(attr, original))
+        else:
+            setattr(owner, attr, wrapped)
+            undo.append((lambda: delattr(owner, attr)) if instance else (lambda: setattr(owner, attr, original)))
+        rows.append((name, what))
+
+    patch(fp8_params.ModelFp8, "requantize", "requantize", "ModelFp8.requantize: sharded requantisation")
+    patch(getattr(fp8_te, "CurrentScalingCast", None), "__call__", "current_cast",
+          "  of it: CurrentScalingCast (current scaling)")
+    patch(getattr(fp8_te, "TeQuantize", None), "__call__", "te_quantize", "  of it: TeQuantize (all TE weights)")
+    patch(fp8_te, "_quantize_current", "quantize_current", "  of it: _quantize_current (one-off cast)")
+    patch(fp8_params.UnitFp8, "gather", "gather", "UnitFp8.gather: send segment + all-gather launch")
+    patch(fp8_params.UnitFp8, "unpack", "unpack", "UnitFp8.unpack: FP8 bytes + transposes")
+    patch(getattr(fp8_params, "FILL", None), "te", "fill_te", "  of it: fill_te (TE post_all_gather_processing)")
+    patch(fp8_te.TeFp8Param, "filled", "te_filled", "  of it: TeFp8Param.filled (one weight)")
+    patch(fp8_params.UnitFp8, "release", "release", "UnitFp8.release: free FP8 bytes")
+    if engine is not None:
+        for name in ENGINE_ENTRY_POINTS:
+            if hasattr(engine, name):
+                patch(engine, name, f"engine.{name}", f"engine.{name} (includes the FP8 hooks it calls)",
+                      instance=True)
+    try:
+        yield rows
+    finally:
+        for fn in reversed(undo):
+            fn()
+
+
+def _engine_of(model: Any) -> Any:
+    return next((m._fsdp_engine for m in model.modules() if hasattr(m, "_fsdp_engine")), None)
+
+
+def hook_table(env: Env, trainee: impls.Trainee, steps: int) -> str:
+    """Per-hook host ms per step (medians over ``steps``; a device sync before each step)."""
+    per_step: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
+    whole: list[float] = []
+    clock = _Clock()
+    with _patched(clock, _engine_of(trainee.model)) as rows:
+        for _ in range(steps):
+            runtime.sync(env)
+            clock.reset()
+            t0 = time.perf_counter()
+            trainee.step()
+            whole.append(time.perf_counter() - t0)
+            for name, _what in rows:
+                per_step[name].append((clock.calls[name], clock.wall[name], clock.cpu[name]))
+            per_step["all"].append((sum(clock.calls[n] for n in FP8_TOP), sum(clock.wall[n] for n in FP8_TOP),
+                                    sum(clock.cpu[n] for n in FP8_TOP)))
+        runtime.sync(env)
+
+    def line(label: str, name: str) -> str:
+        calls = statistics.median(c for c, _, _ in per_step[name])
+        wall = 1e3 * statistics.median(w for _, w, _ in per_step[name])
+        cpu = 1e3 * statistics.median(c for _, _, c in per_step[name])
+        return f"| {label} | {calls:g} | {wall:.2f} | {cpu:.2f} |"
+
+    out = ["| hook | calls/step | host wall ms/step | host CPU ms/step |", "| --- | ---: | ---: | ---: |"]
+    fp8_rows = [r for r in rows if not r[0].startswith("engine.")]
+    out += [line(what, name) for name, what in fp8_rows]
+    out.append(line("**all FP8 hooks** (requantize + gather + unpack + release)", "all"))
+    out += [line(what, name) for name, what in rows if name.startswith("engine.")]
+    out.append(f"| whole step (host, no sync inside) | 1 | {1e3 * statistics.median(whole):.2f} | |")
+    return "\n".join(out)
+
+
+def run_one(env: Env, name: str, size: str, micro_batch: int, warmup: int, steps: int, top: int,
+            hooks: bool = False) -> None:
     trainee = impls.build(name, impls.SIZES[size], env, micro_batch)
     for _ in range(warmup):
         trainee.step()
     runtime.sync(env)
     wall = _wall_ms(env, trainee, steps)
+    if hooks:
+        table = hook_table(env, trainee, steps)
+        if env.rank == 0:
+            print(f"\n==== {name}, {size}, world {env.world}: wall ms/step median {statistics.median(wall):.2f} "
+                  f"(min {min(wall):.2f}, max {max(wall):.2f}); host time per hook, {steps} steps\n{table}", flush=True)
+        del trainee
+        runtime.free_memory(env)
+        return
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
@@ -69,12 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=list(impls.SIZES), default="1.3b")
     cli.add_step_flags(p, steps=3)
     p.add_argument("--top", type=int, default=40, help="functions listed per table")
+    p.add_argument("--hooks", action="store_true",
+                   help="instead of cProfile: host ms per step in each FP8 hook and engine entry point")
     cli.add_run_flags(p, fake_world=False)
     args = p.parse_args(argv)
 
     def body(env: Env) -> None:
         for name in args.impls:
-            run_one(env, name, args.size, args.micro_batch, args.warmup, args.steps, args.top)
+            run_one(env, name, args.size, args.micro_batch, args.warmup, args.steps, args.top, args.hooks)
     return cli.with_env(args.device, body)
 
 
