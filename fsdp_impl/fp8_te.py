@@ -248,7 +248,8 @@ class CurrentScalingCast:
        (empty shards stay 0, as TE leaves them);
     3. one MAX all-reduce of that buffer over the shard group;
     4. ``multi_tensor_compute_scale_and_scale_inv`` into persistent scales and each weight's
-       ``_scale_inv`` (the argument lists are built once);
+       ``_scale_inv`` (the argument lists are built once; the op is called as
+       ``multi_tensor_applier`` calls it);
     5. per non-empty shard ``tex.quantize`` (what ``Float8Quantizer.update_quantized`` calls)
        with a ``Float8Quantizer`` built once around that weight's persistent scale, row-wise
        only, ``amax=torch.Tensor()`` as TE passes, writing into a ``Float8Tensor`` built once
@@ -273,7 +274,12 @@ class CurrentScalingCast:
                                                                    first.amax_epsilon):
                 raise ValueError("FP8 current-scaling weights of one model must share fp8 dtype, "
                                  "force_pow_2_scales and amax_epsilon (one recipe)")
+        from transformer_engine.pytorch.optimizers.multi_tensor_apply import multi_tensor_applier
+
         self.tex = tex
+        # called directly with the applier's chunk size: ``MultiTensorApply.__call__`` only drops
+        # DTensor wrappers and empty slots (none here) and rebuilds the lists in Python each call
+        self.chunk_size = multi_tensor_applier.chunk_size
         self.max_fp8 = {tex.DType.kFloat8E4M3: 448.0, tex.DType.kFloat8E5M2: 57344.0}[first.dtype]
         self.pow2, self.epsilon = first.force_pow_2_scales, first.amax_epsilon
         device = items[0].shard.device
@@ -313,8 +319,6 @@ class CurrentScalingCast:
             free_storage(scratch)  # the views stay: its storage is allocated for each call only
 
     def __call__(self, group: torch.distributed.ProcessGroup) -> None:
-        from transformer_engine.pytorch.optimizers.multi_tensor_apply import multi_tensor_applier
-
         for scratch in self.scratch:
             scratch.untyped_storage().resize_(scratch.numel() * scratch.element_size())
         for dsts, srcs in self.copies:
@@ -329,8 +333,8 @@ class CurrentScalingCast:
         else:
             self.packed.zero_()
         torch.distributed.all_reduce(self.packed, op=torch.distributed.ReduceOp.MAX, group=group)
-        multi_tensor_applier(self.tex.multi_tensor_compute_scale_and_scale_inv, self.noop, self.lists,
-                             self.max_fp8, self.pow2, self.epsilon)
+        self.tex.multi_tensor_compute_scale_and_scale_inv(self.chunk_size, self.noop, self.lists, self.max_fp8,
+                                                          self.pow2, self.epsilon)
         quantize = self.tex.quantize
         for src, cast, rows in self.casts:
             quantize(src, cast, rows, None)

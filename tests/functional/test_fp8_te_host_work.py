@@ -3,8 +3,8 @@
 The stand-in (``test_fp8_te_standin.py``'s ``Float8Tensor`` and linear module) gets what the
 current-scaling requantisation (``fsdp_impl.fp8_te.CurrentScalingCast``) calls in TE 2.20.2: a
 ``Float8CurrentScalingQuantizer`` on each weight, ``transformer_engine_torch`` (``DType``,
-``multi_tensor_compute_scale_and_scale_inv``, ``quantize``), ``multi_tensor_applier`` and
-``Float8Quantizer`` (``create_tensor_from_data``), each counting its calls. They do the
+``multi_tensor_compute_scale_and_scale_inv``, ``quantize``), ``multi_tensor_applier``'s chunk size
+and ``Float8Quantizer`` (``create_tensor_from_data``), each counting its calls. They do the
 arithmetic of ``fsdp_impl.fp8.CurrentQuantizer`` (the reference's), so training must also stay
 bit-identical to the quantise-dequantise reference.
 
@@ -88,7 +88,7 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
 @_stand_in
 def multi_tensor_compute_scale_and_scale_inv(chunk: int, noop: torch.Tensor, lists: list, max_fp8: float,
                                              pow2: bool, epsilon: float) -> None:
-    assert max_fp8 == 448.0 and not pow2 and epsilon == 0.0
+    assert chunk == MultiTensorApply.chunk_size and max_fp8 == 448.0 and not pow2 and epsilon == 0.0
     for amax, scale, scale_inv in zip(*lists, strict=True):
         s = _scale(amax)
         scale.copy_(s.reshape(1))
@@ -102,9 +102,15 @@ def quantize(src: torch.Tensor, quantizer: Any, out: Any, noop: Any) -> None:
     out._data.copy_(q.view(torch.uint8))
 
 
-@_stand_in
-def multi_tensor_applier(op: Callable[..., None], noop: torch.Tensor, lists: list, *args: Any) -> None:
-    op(2048 * 32, noop, lists, *args)
+class MultiTensorApply:
+    chunk_size = 2048 * 32
+
+    def __call__(self, op: Callable[..., None], noop: torch.Tensor, lists: list, *args: Any) -> None:
+        CALLS["multi_tensor_applier"] += 1
+        op(self.chunk_size, noop, lists, *args)
+
+
+multi_tensor_applier = MultiTensorApply()
 
 
 class Float8Quantizer:
