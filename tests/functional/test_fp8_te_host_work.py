@@ -228,22 +228,24 @@ def test_current_scaling_cast_reuses_its_state(stand_in_te: None, dist_env) -> N
     """Two weights, the first with fewer rows than ranks (rank 1's shard is empty), cast twice
     with new main values by the same ``CurrentScalingCast``: scales of the full tensors on every
     rank, each rank's bytes as the full tensor's quantisation."""
-    rank, world = dist_env.rank, dist.get_world_size()
+    rank, world, device = dist_env.rank, dist.get_world_size(), dist_env.device
     assert world == 2
     shapes = [(1, 16), (6, 8)]
-    weights = [standin.Float8Tensor(torch.zeros(s, dtype=torch.uint8), torch.ones(())) for s in shapes]
+    weights = [standin.Float8Tensor(torch.zeros(s, dtype=torch.uint8, device=device), torch.ones((), device=device))
+               for s in shapes]
     for w in weights:
         w._quantizer = Float8CurrentScalingQuantizer()  # type: ignore[attr-defined]
         w._get_quantizer = functools.partial(getattr, w, "_quantizer")  # type: ignore[attr-defined]
     rows = [(0, 1) if rank == 0 else (1, 1), (3 * rank, 3 * rank + 3)]
-    shards = [torch.zeros(end - start, s[1]) for (start, end), s in zip(rows, shapes, strict=True)]
-    outs = [torch.full((end - start, s[1]), 7, dtype=torch.uint8) for (start, end), s in zip(rows, shapes, strict=True)]
+    shards = [torch.zeros(end - start, s[1], device=device) for (start, end), s in zip(rows, shapes, strict=True)]
+    outs = [torch.full((end - start, s[1]), 7, dtype=torch.uint8, device=device)
+            for (start, end), s in zip(rows, shapes, strict=True)]
     items = [SimpleNamespace(param=SimpleNamespace(tensor=w), shard=sh, out=[o], row_start=r[0])
              for w, sh, o, r in zip(weights, shards, outs, rows, strict=True)]
     cast = CurrentScalingCast(items)
     for seed in (1, 2):
         gen = torch.Generator().manual_seed(seed)
-        fulls = [torch.randn(s, generator=gen) * 10 ** seed for s in shapes]
+        fulls = [(torch.randn(s, generator=gen) * 10 ** seed).to(device) for s in shapes]
         for sh, full, (start, end) in zip(shards, fulls, rows, strict=True):
             sh.copy_(full[start:end])
         cast(dist.group.WORLD)
