@@ -72,6 +72,7 @@ L0_CELLS = (
     # FP8 (torch-native, CPU too): one amax all-reduce per step; the TE path through a stand-in
     "test_fp8.py::test_one_amax_all_reduce_per_step[delayed]",
     "test_fp8_te_standin.py::test_te_fp8_params_with_stand_in[regather]",
+    "test_fp8_te_host_work.py::test_current_scaling_host_work_is_batched[keep_transpose]",
     # GPU only (they skip on CPU naming CUDA or TransformerEngine): CUDA-graph replay on 2 ranks
     # (bf16, and TE FP8 parameters), TE FP8 params, the TE seed's quantized model, decoupled grads with TE's FusedAdam
     "test_cuda_graph.py::test_replay_matches_eager_world2[zero3-plain-float32-adamw-full]",

@@ -1,6 +1,6 @@
 """Per-step host work of the TransformerEngine FP8-parameter path, on CPU with a stand-in for TE.
 
-The stand-in (``test_fp8_te_standin.py``'s ``Float8Tensor`` and linear module) gets what the
+The stand-in (``common/te_standin.py``'s ``Float8Tensor`` and linear module) gets what the
 current-scaling requantisation (``fsdp_impl.fp8_te.CurrentScalingCast``) calls in TE 2.20.2: a
 ``Float8CurrentScalingQuantizer`` on each weight, ``transformer_engine_torch`` (``DType``,
 ``multi_tensor_compute_scale_and_scale_inv``, ``quantize``), ``multi_tensor_applier``'s chunk size
@@ -25,7 +25,6 @@ from __future__ import annotations
 import enum
 import functools
 import sys
-import types
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,8 +40,8 @@ from fsdp_impl.fp8 import E4M3, CurrentQuantizer
 from fsdp_impl.fp8_params import ModelFp8, UnitFp8
 from fsdp_impl.fp8_te import CurrentScalingCast
 from tests.functional import matrix_axes as axes
-from tests.functional import test_fp8_te_standin as standin
 from tests.functional.common import fp8_training as ft
+from tests.functional.common import te_standin as standin
 
 pytestmark = [pytest.mark.distributed(world_size=2, timeout=300),
               pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params", model="fp8_net", dtype="bf16",
@@ -138,16 +137,13 @@ def quantize_master_weights(*args: Any, **kwargs: Any) -> None:
 @pytest.fixture
 def stand_in_te(monkeypatch: pytest.MonkeyPatch) -> None:
     CALLS.clear()
-    names = ["transformer_engine", "transformer_engine_torch", "transformer_engine.pytorch",
-             "transformer_engine.pytorch.quantized_tensor", "transformer_engine.pytorch.tensor",
-             "transformer_engine.pytorch.tensor.utils", "transformer_engine.pytorch.tensor.float8_tensor",
-             "transformer_engine.pytorch.optimizers", "transformer_engine.pytorch.optimizers.multi_tensor_apply"]
-    mods: dict[str, Any] = {n: types.ModuleType(n) for n in names}
+    mods = standin.stand_in_modules(("transformer_engine_torch", "transformer_engine.pytorch.tensor.float8_tensor",
+                                     "transformer_engine.pytorch.optimizers",
+                                     "transformer_engine.pytorch.optimizers.multi_tensor_apply"))
     tex = mods["transformer_engine_torch"]
     tex.DType = DType
     tex.multi_tensor_compute_scale_and_scale_inv = multi_tensor_compute_scale_and_scale_inv
     tex.quantize = quantize
-    mods["transformer_engine.pytorch.quantized_tensor"].QuantizedTensor = standin.Float8Tensor
     utils = mods["transformer_engine.pytorch.tensor.utils"]
     utils.quantize_master_weights = quantize_master_weights
     utils.post_all_gather_processing = post_all_gather_processing
@@ -201,8 +197,8 @@ def _current_linear(linear: torch.nn.Linear) -> standin.TeLinear:
 
 @pytest.mark.parametrize("keep", [False, True], ids=["regather", "keep_transpose"])
 def test_current_scaling_host_work_is_batched(keep: bool, stand_in_te: None, count_syncs: None, dist_env) -> None:
-    ref = ft.train_reference(standin._swap(ft.build(None), standin._qdq), 2, STEPS, 1, dist_env.device)
-    module = standin._swap(ft.build(None).to(dist_env.device), _current_linear)
+    ref = ft.train_reference(standin.swap(ft.build(None), standin.qdq), 2, STEPS, 1, dist_env.device)
+    module = standin.swap(ft.build(None).to(dist_env.device), _current_linear)
     model, opt = fully_shard(module, torch.optim.Adam(module.parameters(), lr=1e-2), fsdp_unit_modules=[ft.Fp8Block],
                              mixed_precision_policy=MixedPrecisionPolicy(main_params_dtype=torch.float32),
                              keep_fp8_transpose_cache=keep)
