@@ -180,13 +180,15 @@ def quantize_te(items: list[Any], group: torch.distributed.ProcessGroup) -> None
 
 class TeQuantize:
     """The sharded quantisation of a fixed list of TE weights, built once and run every step:
-    every rank casts its main rows (as the compute dtype, as TE does) into its byte rows after
-    one MAX all-reduce of the partial amaxes per recipe; empty shards still join the reduction.
-    Current-scaling weights take ``CurrentScalingCast`` (TE's scale kernel and cast, batched
-    host work); the other recipes TE's ``quantize_master_weights``.
+    every rank casts its main rows (as the compute dtype, as TE does) into its byte rows; per
+    recipe one MAX all-reduce of the amaxes; empty shards still join the reduction.
+    Current-scaling weights take ``CurrentScalingCast``, delayed-scaling ones
+    ``DelayedScalingCast`` (TE's scale kernels and casts, batched host work, row-wise only); the
+    other recipes TE's ``quantize_master_weights``.
 
-    Built again when a weight's quantizer or scale-inverse tensor was replaced since (TE
-    rebinding them would otherwise leave the cached state writing into the old tensors)."""
+    Built again when a weight's quantizer, its scale or amax, or its scale-inverse tensor was
+    replaced since (TE rebinding them would otherwise leave the cached state writing into the
+    old tensors)."""
 
     def __init__(self, items: list[Any]) -> None:
         self.items = items
@@ -196,9 +198,11 @@ class TeQuantize:
         for item in self.items:
             item.param.attach()
         self._bound = [_binding(item.param.tensor) for item in self.items]
-        current = [it for it in self.items if _is_current_scaling(it.param.tensor)]
-        self.others = [it for it in self.items if not _is_current_scaling(it.param.tensor)]
-        self.current = CurrentScalingCast(current) if current else None
+        current = [it for it in self.items if _recipe_of(it.param.tensor) == "current"]
+        delayed = [it for it in self.items if _recipe_of(it.param.tensor) == "delayed"]
+        self.others = [it for it in self.items if _recipe_of(it.param.tensor) is None]
+        self.casts: list[Any] = ([CurrentScalingCast(current)] if current else []) + (
+            [DelayedScalingCast(delayed)] if delayed else [])
         if self.others:
             self.other_args = (
                 [it.param.tensor for it in self.others],
@@ -212,8 +216,8 @@ class TeQuantize:
             item.param.attach()
         if not all(_bound_to(it.param.tensor, b) for it, b in zip(self.items, self._bound, strict=True)):
             self._build()
-        if self.current is not None:
-            self.current(group)
+        for cast in self.casts:
+            cast(group)
         if self.others:
             from transformer_engine.pytorch.tensor.utils import quantize_master_weights
             weights, masters, offsets, shards = self.other_args
@@ -221,19 +225,67 @@ class TeQuantize:
                                     manual_post_all_gather_processing=True)
 
 
-def _binding(tensor: Any) -> tuple[Any, Any]:
-    """What the cached quantisation state holds on to: the quantizer and the scale inverse."""
-    return getattr(tensor, "_quantizer", None), getattr(tensor, "_scale_inv", None)
+def _binding(tensor: Any) -> tuple[Any, ...]:
+    """What the cached quantisation state holds on to: the quantizer, its scale and amax, and the
+    scale inverse."""
+    quantizer = getattr(tensor, "_quantizer", None)
+    return (quantizer, getattr(quantizer, "scale", None), getattr(quantizer, "amax", None),
+            getattr(tensor, "_scale_inv", None))
 
 
-def _bound_to(tensor: Any, binding: tuple[Any, Any]) -> bool:
-    return getattr(tensor, "_quantizer", None) is binding[0] and getattr(tensor, "_scale_inv", None) is binding[1]
+def _bound_to(tensor: Any, binding: tuple[Any, ...]) -> bool:
+    return all(a is b for a, b in zip(_binding(tensor), binding, strict=True))
 
 
-def _is_current_scaling(tensor: Any) -> bool:
-    """A plain ``Float8Tensor`` whose quantizer is ``Float8CurrentScalingQuantizer``."""
+def _recipe_of(tensor: Any) -> str | None:
+    """``"current"`` / ``"delayed"`` for a plain ``Float8Tensor`` whose quantizer is
+    ``Float8CurrentScalingQuantizer`` / ``Float8Quantizer``; ``None`` for the other formats."""
+    if type(tensor).__name__ != "Float8Tensor":
+        return None
     quantizer = getattr(tensor, "_get_quantizer", lambda: None)()
-    return type(tensor).__name__ == "Float8Tensor" and type(quantizer).__name__ == "Float8CurrentScalingQuantizer"
+    return {"Float8CurrentScalingQuantizer": "current", "Float8Quantizer": "delayed"}.get(type(quantizer).__name__)
+
+
+class _ComputeCasts:
+    """The non-empty main shards cast to their weight's dtype (TE: ``master.to(model_weight.dtype)``
+    before quantising): one ``torch._foreach_copy_`` per dtype into a scratch buffer whose storage
+    lives only between ``fill`` and ``free``; ``views`` are the casts in ``nonempty`` order."""
+
+    def __init__(self, items: list[Any], dtypes: list[torch.dtype], nonempty: list[int]) -> None:
+        self.scratch: list[torch.Tensor] = []
+        self.copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in nonempty:
+            by_dtype.setdefault(dtypes[i], []).append(i)
+        view_of: dict[int, torch.Tensor] = {}
+        for dtype, members in by_dtype.items():
+            sizes = [items[i].shard.numel() for i in members]
+            scratch = torch.empty(sum(sizes), dtype=dtype, device=items[members[0]].shard.device)
+            views = list(scratch.split(sizes))
+            self.scratch.append(scratch)
+            self.copies.append((views, [items[i].shard.reshape(-1) for i in members]))
+            view_of.update(zip(members, views, strict=True))
+        self.views = [view_of[i] for i in nonempty]
+        self.free()
+
+    def fill(self) -> None:
+        for scratch in self.scratch:
+            scratch.untyped_storage().resize_(scratch.numel() * scratch.element_size())
+        for dsts, srcs in self.copies:
+            torch._foreach_copy_(dsts, srcs)
+
+    def free(self) -> None:
+        for scratch in self.scratch:
+            free_storage(scratch)
+
+
+def _row_casts(items: list[Any], weights: list[Any], nonempty: list[int], views: list[torch.Tensor],
+               quantizers: list[Any]) -> list[tuple[torch.Tensor, Any, Any]]:
+    """Per non-empty shard: (its cast as one row, a row-wise-only ``Float8Quantizer``, a
+    ``Float8Tensor`` around this rank's rows of the unit's persistent FP8 gather segment), the
+    arguments of one ``tex.quantize`` (what ``Float8Quantizer.update_quantized`` calls)."""
+    return [(view.view(1, -1), q, q.create_tensor_from_data(items[i].out[0].view(1, -1), weights[i].dtype))
+            for i, view, q in zip(nonempty, views, quantizers, strict=True)]
 
 
 class CurrentScalingCast:
@@ -241,8 +293,7 @@ class CurrentScalingCast:
     ``Float8CurrentScalingQuantizer``, TE 2.20.2 ``tensor/utils.py``) step for step, with the
     per-weight Python done once at construction:
 
-    1. cast each main shard to the weight's dtype (TE: ``master.to(model_weight.dtype)``): one
-       ``torch._foreach_copy_`` into a scratch buffer whose storage lives only for the call;
+    1. cast each main shard to the weight's dtype (``_ComputeCasts``);
     2. amaxes of those casts: one ``torch._foreach_norm(ord=inf)`` (the max magnitude, exact in
        any order, as TE's ``compute_amax`` per weight), stacked into a persistent buffer
        (empty shards stay 0, as TE leaves them);
@@ -250,10 +301,8 @@ class CurrentScalingCast:
     4. ``multi_tensor_compute_scale_and_scale_inv`` into persistent scales and each weight's
        ``_scale_inv`` (the argument lists are built once; the op is called as
        ``multi_tensor_applier`` calls it);
-    5. per non-empty shard ``tex.quantize`` (what ``Float8Quantizer.update_quantized`` calls)
-       with a ``Float8Quantizer`` built once around that weight's persistent scale, row-wise
-       only, ``amax=torch.Tensor()`` as TE passes, writing into a ``Float8Tensor`` built once
-       around this rank's rows of the unit's persistent FP8 gather segment.
+    5. per non-empty shard ``tex.quantize`` with a ``Float8Quantizer`` built once around that
+       weight's persistent scale, row-wise only, ``amax=torch.Tensor()`` as TE passes (``_row_casts``).
 
     TE's own cast uses column-wise usage too, which also transposes every shard: on the H200
     that cast took 1.2-1.7 ms per 16.8M-element weight, the row-wise one 15 us. Same bytes: the
@@ -289,40 +338,17 @@ class CurrentScalingCast:
         self.noop = torch.zeros(1, dtype=torch.int, device=device)
         self.lists = [[self.packed[i:i + 1] for i in range(n)], [scales[i:i + 1] for i in range(n)],
                       [w._scale_inv.view(1) for w in weights]]
-        # Casts of the non-empty shards, one scratch buffer per weight dtype (one in practice).
         nonempty = [i for i, item in enumerate(items) if item.shard.numel()]
         self.all_nonempty = len(nonempty) == n
         self.amax_slots = [self.packed[i] for i in nonempty]  # 0-dim, as the norms
-        self.scratch: list[torch.Tensor] = []
-        self.copies: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        self.views: list[torch.Tensor] = []  # the casts, in ``nonempty`` order
-        self.casts: list[tuple[torch.Tensor, Any, Any]] = []
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in nonempty:
-            by_dtype.setdefault(weights[i].dtype, []).append(i)
-        view_of: dict[int, torch.Tensor] = {}
-        for dtype, members in by_dtype.items():
-            sizes = [items[i].shard.numel() for i in members]
-            scratch = torch.empty(sum(sizes), dtype=dtype, device=device)
-            views = list(scratch.split(sizes))
-            self.scratch.append(scratch)
-            self.copies.append((views, [items[i].shard.reshape(-1) for i in members]))
-            view_of.update(zip(members, views, strict=True))
-        for i in nonempty:
-            w = weights[i]
-            cast = Float8Quantizer(scale=scales[i:i + 1], amax=torch.Tensor(), fp8_dtype=first.dtype,
-                                   rowwise=True, columnwise=False)
-            rows = cast.create_tensor_from_data(items[i].out[0].view(1, -1), w.dtype)  # this rank's bytes
-            self.views.append(view_of[i])
-            self.casts.append((view_of[i].view(1, -1), cast, rows))
-        for scratch in self.scratch:
-            free_storage(scratch)  # the views stay: its storage is allocated for each call only
+        self.cast = _ComputeCasts(items, [w.dtype for w in weights], nonempty)
+        self.views = self.cast.views
+        row_quantizers = [Float8Quantizer(scale=scales[i:i + 1], amax=torch.Tensor(), fp8_dtype=first.dtype,
+                                          rowwise=True, columnwise=False) for i in nonempty]
+        self.casts = _row_casts(items, weights, nonempty, self.views, row_quantizers)
 
     def __call__(self, group: torch.distributed.ProcessGroup) -> None:
-        for scratch in self.scratch:
-            scratch.untyped_storage().resize_(scratch.numel() * scratch.element_size())
-        for dsts, srcs in self.copies:
-            torch._foreach_copy_(dsts, srcs)
+        self.cast.fill()
         if self.views:
             amaxes = torch._foreach_norm(self.views, ord=float("inf"), dtype=torch.float32)
             if self.all_nonempty:
@@ -338,13 +364,71 @@ class CurrentScalingCast:
         quantize = self.tex.quantize
         for src, cast, rows in self.casts:
             quantize(src, cast, rows, None)
-        for scratch in self.scratch:
-            free_storage(scratch)
+        self.cast.free()
+
+
+class DelayedScalingCast:
+    """TE's delayed-scaling master-weight cast (``_cast_master_weights_to_fp8_delayed_scaling``,
+    TE 2.20.2 ``tensor/utils.py``) step for step, the per-weight Python done once:
+
+    1. cast each main shard to the weight's dtype (``_ComputeCasts``);
+    2. per non-empty shard ``tex.quantize`` with a row-wise-only ``Float8Quantizer`` around the
+       weight quantizer's own ``scale`` and ``amax`` (the scale is known before the cast; the
+       kernel folds the shard's amax into the quantizer's amax, as TE's cast does);
+    3. the amaxes packed (``_foreach_copy_``: TE's ``multi_tensor_scale`` by 1.0 is a copy), one
+       MAX all-reduce over the shard group, copied back;
+    4. the scales packed, ``torch.reciprocal`` in place, copied into each weight's ``_scale_inv``.
+
+    TE casts with the weight's quantizer, row-wise and column-wise, which also transposes each
+    shard (the slow cast ``CurrentScalingCast`` avoids too); the transposes are dropped anyway,
+    ``fill_te`` builds them after the gather. Same bytes, amaxes and scale inverses as TE's:
+    ``tests/functional/test_fp8_te_cast.py``."""
+
+    def __init__(self, items: list[Any]) -> None:
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+        self.tex = tex
+        weights = [item.param.tensor for item in items]
+        quantizers = [w._get_quantizer() for w in weights]
+        device = items[0].shard.device
+        n = len(items)
+        self.amaxes = [q.amax.view(1) for q in quantizers]
+        self.scales = [q.scale.view(1) for q in quantizers]
+        self.scale_invs = [w._scale_inv.view(1) for w in weights]
+        self.packed_amax = torch.empty(n, dtype=torch.float32, device=device)
+        self.packed_scale = torch.empty(n, dtype=torch.float32, device=device)
+        self.amax_views = [self.packed_amax[i:i + 1] for i in range(n)]
+        self.scale_views = [self.packed_scale[i:i + 1] for i in range(n)]
+        nonempty = [i for i, item in enumerate(items) if item.shard.numel()]
+        self.cast = _ComputeCasts(items, [w.dtype for w in weights], nonempty)
+        row_quantizers = [Float8Quantizer(scale=quantizers[i].scale, amax=quantizers[i].amax,
+                                          fp8_dtype=quantizers[i].dtype, rowwise=True, columnwise=False)
+                          for i in nonempty]
+        self.casts = _row_casts(items, weights, nonempty, self.cast.views, row_quantizers)
+
+    def __call__(self, group: torch.distributed.ProcessGroup) -> None:
+        self.cast.fill()
+        quantize = self.tex.quantize
+        for src, cast, rows in self.casts:
+            quantize(src, cast, rows, None)
+        self.cast.free()
+        torch._foreach_copy_(self.amax_views, self.amaxes)
+        torch.distributed.all_reduce(self.packed_amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        torch._foreach_copy_(self.amaxes, self.amax_views)
+        torch._foreach_copy_(self.scale_views, self.scales)
+        torch.reciprocal(self.packed_scale, out=self.packed_scale)
+        torch._foreach_copy_(self.scale_invs, self.scale_views)
 
 
 def _quantize_current(items: list[Any], group: torch.distributed.ProcessGroup) -> None:
     """``CurrentScalingCast`` once (what ``tests/functional/test_fp8_te_cast.py`` compares with TE)."""
     CurrentScalingCast(items)(group)
+
+
+def _quantize_delayed(items: list[Any], group: torch.distributed.ProcessGroup) -> None:
+    """``DelayedScalingCast`` once (what ``tests/functional/test_fp8_te_cast.py`` compares with TE)."""
+    DelayedScalingCast(items)(group)
 
 
 def reset_te_fp8_state() -> None:

@@ -1,6 +1,7 @@
-"""The current-scaling requantisation of TE FP8 weights (``fsdp_impl.fp8_te._quantize_current``)
-writes the same bytes and scale inverses as TransformerEngine's own ``quantize_master_weights``
-(whose cast it replaces for speed), for weights of several shapes and value ranges."""
+"""The current- and delayed-scaling requantisations of TE FP8 weights
+(``fsdp_impl.fp8_te._quantize_current`` / ``_quantize_delayed``) write the same bytes, scale
+inverses (and, delayed, amaxes) as TransformerEngine's own ``quantize_master_weights`` (whose cast
+they replace for speed), for weights of several shapes and value ranges."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_impl.fp8_te import _quantize_current
+from fsdp_impl.fp8_te import _quantize_current, _quantize_delayed
 from tests.functional import matrix_axes as axes
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine"),
@@ -18,11 +19,11 @@ pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transforme
                                  recipe=axes.recipe("current"))]
 
 
-def _te_weight(rows: int, cols: int) -> torch.Tensor:
+def _te_weight(rows: int, cols: int, delayed: bool = False) -> torch.Tensor:
     import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import Float8CurrentScaling
+    from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
 
-    with te.quantized_model_init(recipe=Float8CurrentScaling()):
+    with te.quantized_model_init(recipe=DelayedScaling() if delayed else Float8CurrentScaling()):
         return te.Linear(cols, rows, params_dtype=torch.bfloat16, device="cuda").weight
 
 
@@ -44,5 +45,36 @@ def test_current_scaling_cast_equals_te(shape: tuple[int, int], spread: float, d
                             manual_post_all_gather_processing=True)
     for i, (out, w, r) in enumerate(zip(outs, ours, ref, strict=True)):
         assert torch.equal(w._scale_inv, r._scale_inv), (i, w._scale_inv, r._scale_inv)
+        assert torch.equal(out, r._data), f"weight {i}: {(out != r._data).sum().item()} bytes differ from TE's cast"
+        assert out.count_nonzero() > 0
+
+
+@pytest.mark.matrix(recipe=axes.recipe("delayed"))
+@pytest.mark.parametrize("shape,spread", [((256, 128), 1.0), ((512, 384), 1e-3), ((128, 1024), 300.0)])
+def test_delayed_scaling_cast_equals_te(shape: tuple[int, int], spread: float, dist_env) -> None:
+    """Scales set as a delayed-scaling history would leave them (the second weight's saturates its
+    large values), amaxes holding an earlier value that the casts fold theirs into."""
+    from transformer_engine.pytorch.tensor.utils import quantize_master_weights
+
+    gen = torch.Generator(device="cuda").manual_seed(shape[1])
+    masters = [torch.randn(shape, device="cuda", generator=gen) * spread for _ in range(2)]
+    masters[1][0, :5] = torch.tensor([0.0, -0.0, 1e-30, -1e30, 3.0e38])  # extremes (saturate)
+    ours = [_te_weight(*shape, delayed=True) for _ in masters]
+    ref = [_te_weight(*shape, delayed=True) for _ in masters]
+    for pair, (scale, amax) in zip(zip(ours, ref, strict=True), ((448.0 / spread, 0.5), (3.0, 1e-3)), strict=True):
+        for w in pair:
+            w._get_quantizer().scale.fill_(scale)
+            w._get_quantizer().amax.fill_(amax)
+    outs = [torch.full(shape, 7, dtype=torch.uint8, device="cuda") for _ in masters]
+    items = [SimpleNamespace(param=SimpleNamespace(tensor=w), shard=m, out=[o], row_start=0)
+             for w, m, o in zip(ours, masters, outs, strict=True)]
+    _quantize_delayed(items, dist.group.WORLD)
+    quantize_master_weights(ref, [m.reshape(-1) for m in masters], [0, 0], dist.group.WORLD,
+                            fsdp_shard_model_weights=[w._data.view(-1) for w in ref],
+                            manual_post_all_gather_processing=True)
+    for i, (out, w, r) in enumerate(zip(outs, ours, ref, strict=True)):
+        assert torch.equal(w._scale_inv, r._scale_inv), (i, w._scale_inv, r._scale_inv)
+        assert torch.equal(w._get_quantizer().amax, r._get_quantizer().amax), i
+        assert w._get_quantizer().amax.item() > 0.5 or i == 1, "the cast did not fold its amax in"
         assert torch.equal(out, r._data), f"weight {i}: {(out != r._data).sum().item()} bytes differ from TE's cast"
         assert out.count_nonzero() > 0

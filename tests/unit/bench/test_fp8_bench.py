@@ -30,3 +30,14 @@ def test_target_line_met_and_not_met() -> None:
     heavy = fp8_bench.target_line([_row("ours-z3", 1000, 20.0), _row("ours-fp8-te-current", 1300, 21.0)])
     assert "NOT met" in heavy
     assert "n/a" in fp8_bench.target_line([_row("ours-z3", 1000, 20.0)])
+
+
+def test_target_line_reports_fused_and_other_recipes_only_when_both_ran() -> None:
+    rows = [_row("ours-z3-fused", 1000, 20.0), _row("ours-fp8-te-current-fused", 1250, 19.0),
+            _row("ours-fp8-te-delayed", 900, 19.0), _row("te-fp8-ref-delayed", 1000, 19.0)]
+    text = fp8_bench.target_line(rows)
+    assert "ours-fp8-te-current-fused / ours-z3-fused throughput 1.250x (target >= 1.2x)" in text
+    assert "ours-fp8-te-delayed / te-fp8-ref-delayed throughput 0.900x (target >= 0.95x)" in text
+    assert "NOT met" in text.split("te-fp8-ref-delayed throughput")[1]
+    assert "block" not in text  # neither side of the block lines ran: no line, not even n/a
+    assert text.count("n/a") == 2  # the two targets (ours-fp8-te-current) are always listed
