@@ -128,7 +128,7 @@ if [ -n "${HARNESS_MUTANTS_SUMMARY:-}" ]; then
 fi
 if [ -n "${HARNESS_BENCH:-}" ]; then
     # the bench is part of this tier: its speed against the generation's stored baseline gates the verdict
-    args+=(--bench "$HARNESS_BENCH" --bench-baseline "${HARNESS_BENCH_BASELINE:-bench/baselines/$gen.json}")
+    args+=(--bench "$HARNESS_BENCH" --bench-baseline "${HARNESS_BENCH_BASELINE:-bench/baselines}")
 fi
 verdict=0
 "$(harness_python)" -m harness.report.signoff "${args[@]}" || verdict=$?

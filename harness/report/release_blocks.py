@@ -131,7 +131,7 @@ def speed_blocks(rep: Report) -> list[Block]:
     out: list[Block] = [Heading(2, "Speed vs baseline")]
     v = rep.speed
     if v is None:
-        return out + [Para("No bench result given (`--bench <result> --bench-baseline bench/baselines/<gen>.json`): "
+        return out + [Para("No bench result given (`--bench <result> --bench-baseline bench/baselines`): "
                            "speed is not part of this sign-off.")]
     b = v.baseline
     ref = b.get("reference", "fsdp2")

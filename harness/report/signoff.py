@@ -25,7 +25,7 @@ from harness.report.junit_read import JunitError
 from harness.report.regressions import parse_required_regressions
 from harness.report.runs import Run, load_runs, merged_junit
 from harness.report.sections import Report, build_report, read_mutants, split_mutants
-from harness.report.speed import SpeedView, compare, read_baseline, read_bench
+from harness.report.speed import SpeedView, compare, find_baseline, read_baseline, read_bench
 from harness.report.summary import summary
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bench", type=pathlib.Path, metavar="RESULT",
                         help="bench result (bench/suite.py JSON lines): compared with --bench-baseline; a speed "
                              "drop beyond the threshold fails the verdict")
-    parser.add_argument("--bench-baseline", type=pathlib.Path, metavar="FILE",
-                        help="stored baseline of the GPU generation (bench/baselines/<gen>.json)")
+    parser.add_argument("--bench-baseline", type=pathlib.Path, metavar="FILE|DIR",
+                        help="stored baseline (bench/baselines/<gen>-w<world>[-fake].json), or a directory of "
+                             "them: the file for the result's GPU generation, world and fake-world mode")
     parser.add_argument("--bench-threshold", type=float, metavar="FRACTION",
                         help="fail on a drop of the ratio to FSDP2 beyond this (e.g. 0.05); default: 3 x the "
                              "baseline's measured run-to-run spread")
@@ -105,8 +106,9 @@ def _speed(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SpeedVi
         parser.error("--bench and --bench-baseline go together")
     if args.bench_threshold is not None and not 0 < args.bench_threshold < 1:
         parser.error("--bench-threshold is a fraction between 0 and 1 (e.g. 0.05)")
-    return compare(read_bench(args.bench), read_baseline(args.bench_baseline), str(args.bench_baseline),
-                   args.bench_threshold)
+    result = read_bench(args.bench)
+    path = find_baseline(args.bench_baseline, result) if args.bench_baseline.is_dir() else args.bench_baseline
+    return compare(result, read_baseline(path), str(path), args.bench_threshold)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -148,11 +148,47 @@ def read_baseline(path: str | pathlib.Path) -> dict[str, Any]:
     return data
 
 
+GENERATIONS = ("gb200", "b200", "h200", "h100", "a100")  # longest match first: "gb200" contains "b200"
+
+
+def generation_of(device: str) -> str | None:
+    """The GPU generation in a device name ("NVIDIA H200" -> ``h200``), ``None`` if none is known."""
+    name = device.lower()
+    return next((gen for gen in GENERATIONS if gen in name), None)
+
+
+def baseline_file_name(gen: str, world: int, fake: bool) -> str:
+    """``<gen>-w<world>[-fake].json``: one baseline per generation and bench world (a result is
+    only comparable with a baseline of the same world and fake-world mode)."""
+    return f"{gen}-w{world}{'-fake' if fake else ''}.json"
+
+
+def find_baseline(directory: str | pathlib.Path, result: BenchResult) -> pathlib.Path:
+    """The baseline in ``directory`` for ``result``'s GPU generation, world and fake-world mode;
+    a clear error naming the file expected, the files there and the command that makes it."""
+    d = pathlib.Path(directory)
+    device = str(result.meta.get("device", ""))
+    gen, world, fake = generation_of(device), result.meta.get("world"), bool(result.meta.get("fake", False))
+    if gen is None or not isinstance(world, int):
+        raise JunitError(f"bench result {result.path}: its device {device!r} / world {world!r} name no baseline in "
+                         f"{d}; pass --bench-baseline FILE")
+    path = d / baseline_file_name(gen, world, fake)
+    if not path.is_file():
+        have = ", ".join(sorted(p.name for p in d.glob("*.json"))) or "none"
+        raise JunitError(f"no bench baseline {path} for {gen}, world {world}{' (fake)' if fake else ''} "
+                         f"(there: {have}); make it from bench runs of the last release: python -m "
+                         f"harness.report.speed_baseline --gen {gen} --out {path} RUN1.jsonl [RUN2.jsonl ...]")
+    return path
+
+
 def _threshold(cell: dict[str, Any], baseline: dict[str, Any], override: float | None) -> float:
+    """``SPREAD_FACTOR`` x the cell's (else the file's) measured spread, never below
+    ``DEFAULT_SPREAD``: two or three runs easily show a half-range smaller than the noise three
+    runs of unchanged code showed on the H200 (1.2 %), and a threshold built on it flags noise."""
     if override is not None:
         return override
     spread = cell.get("spread") or baseline.get("spread") or DEFAULT_SPREAD
-    return SPREAD_FACTOR * float(spread)
+    return SPREAD_FACTOR * max(float(spread), DEFAULT_SPREAD)
 
 
 def _relative(now: float | None, base: float | None) -> float | None:

@@ -1,6 +1,6 @@
-"""Make a bench baseline (``bench/baselines/<gen>.json``) from one or more bench results.
+"""Make a bench baseline (``bench/baselines/<gen>-w<world>[-fake].json``) from one or more bench results.
 
-    python -m harness.report.speed_baseline --gen h200 --out bench/baselines/h200.json \\
+    python -m harness.report.speed_baseline --gen h200 --out bench/baselines/h200-w2.json \\
         run1/suite.jsonl [run2/suite.jsonl ...] [--note "..."]
 
 Give several runs of the same code when you can: the baseline's ``spread`` (which sets the speed
