@@ -2,12 +2,14 @@
 ``step="cpu"``, ours without offload, FSDP2 with and without ``CPUOffloadPolicy``; each cell in a
 fresh process, side by side in one run.
 
-Standalone on purpose (``bench/`` is being turned into the ``bench.suite`` package; this only
-imports ``bench.gpt``'s model). Usage, on a machine with one GPU::
+Usage, from the repository root on a machine with one GPU::
 
-    python bench/offload_bench.py --size 1.3b                      # the default cells, 1.3B
-    python bench/offload_bench.py --size 7b --cells ours-gpu,fsdp2-offload
-    python bench/offload_bench.py --bandwidth                      # pinned H2D / D2H GB/s only
+    python -m bench.offload_bench --size 1.3b                      # the default cells, 1.3B
+    python -m bench.offload_bench --size 7b --cells ours-gpu,fsdp2-offload
+    python -m bench.offload_bench --bandwidth                      # pinned H2D / D2H GB/s only
+
+Sizes are the suite's (``bench.impls.SIZES``); the offload cells are this module's, not the
+suite's (the suite's cells run several ranks and compare with FSDP2 without offload).
 
 Per cell: tokens/s over the measured steps, the step split into forward+backward and optimizer
 step (host-synchronised at each boundary), peak device memory (``max_memory_allocated`` over the
@@ -31,19 +33,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench import cli
+from bench.gpt import GPT, Block, GPTConfig
+from bench.impls import SIZES, num_params_of
 
-from bench.gpt import GPT, Block, GPTConfig  # noqa: E402
-
-SIZES = {
-    "tiny": GPTConfig(vocab=512, hidden=64, layers=2, heads=4, seq=64),
-    "1.3b": GPTConfig(hidden=2048, layers=24, heads=16),
-    "2.7b": GPTConfig(hidden=2560, layers=32, heads=32),
-    "7b": GPTConfig(hidden=4096, layers=32, heads=32),
-    "13b": GPTConfig(hidden=5120, layers=40, heads=40),
-}
+ROOT = Path(__file__).resolve().parents[1]  # the cells' working directory (``python -m bench.offload_bench``)
 CELLS = {
     "ours": "fsdp_impl ZeRO-3, bf16 module, fp32 main params and grads, torch AdamW (foreach), no offload",
     "ours-gpu": ("as ours + OffloadPolicy() (step='gpu': main params, grads and moments on the host, streamed step; "
@@ -57,11 +51,6 @@ CELLS = {
 DEFAULT_CELLS = ("ours", "ours-gpu", "ours-gpu-hostall", "ours-cpu", "fsdp2", "fsdp2-offload", "fsdp2-offload-fused")
 LR = 1e-4
 GIB = 2**30
-
-
-def num_params(cfg: GPTConfig) -> int:
-    h = cfg.hidden
-    return cfg.vocab * h + cfg.seq * h + cfg.layers * (12 * h * h + 13 * h) + 2 * h
 
 
 def offload_bytes(cell: str, n: int) -> tuple[int, int]:
@@ -153,7 +142,7 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int) ->
         return sorted(values)[len(values) // 2]
 
     return {
-        "cell": cell, "size": size, "params": num_params(cfg), "micro_batch": micro_batch, "seq": cfg.seq,
+        "cell": cell, "size": size, "params": num_params_of(cfg), "micro_batch": micro_batch, "seq": cfg.seq,
         "tokens_per_s": micro_batch * cfg.seq / median(totals), "step_ms": 1e3 * median(totals),
         "fwd_bwd_ms": 1e3 * median(fwd_bwd), "opt_ms": 1e3 * median(step_times),
         "peak_gib": torch.cuda.max_memory_allocated() / GIB, "rest_gib": torch.cuda.memory_allocated() / GIB,
@@ -194,8 +183,8 @@ def bandwidth(gib: float = 1.0, repeat: int = 5) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------------- driver
 def _spawn(cell: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--one", cell, "--size", args.size, "--micro-batch", str(args.micro_batch),
-           "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    cmd = [sys.executable, "-m", "bench.offload_bench", "--one", cell, "--size", args.size,
+           "--micro-batch", str(args.micro_batch), "--warmup", str(args.warmup), "--steps", str(args.steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
@@ -224,19 +213,23 @@ def _table(rows: list[dict[str, Any]], bw: dict[str, float] | None) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="1.3b", choices=sorted(SIZES))
-    parser.add_argument("--cells", default=",".join(DEFAULT_CELLS))
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; bad sizes, cells and counts are refused naming the allowed values."""
+    parser = cli.parser(__doc__)
+    parser.add_argument("--size", default="1.3b", choices=list(SIZES))
+    parser.add_argument("--cells", type=cli.csv_list(list(CELLS)), default=list(DEFAULT_CELLS),
+                        help="comma-separated offload cells")
+    cli.add_step_flags(parser, steps=5, warmup=2)
+    parser.add_argument("--timeout", type=cli.positive, default=1800, help="seconds per cell")
     parser.add_argument("--bandwidth", action="store_true", help="only measure pinned copy bandwidth")
     parser.add_argument("--report-limit", action="store_true", help="also measure bandwidth and the PCIe bound")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--one", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument("--one", choices=list(CELLS), help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.one:
         print(json.dumps(run_cell(args.one, args.size, args.micro_batch, args.warmup, args.steps)), flush=True)
         return
@@ -246,13 +239,11 @@ def main() -> None:
     if args.bandwidth:
         return
     rows = []
-    for cell in args.cells.split(","):
-        if cell not in CELLS:
-            raise SystemExit(f"unknown cell {cell!r}; allowed: {', '.join(CELLS)}")
+    for cell in args.cells:
         rows.append(_spawn(cell, args))
         print(json.dumps(rows[-1]), flush=True)
     print(_table(rows, bw))
-    for cell in args.cells.split(","):
+    for cell in args.cells:
         print(f"- {cell}: {CELLS[cell]}")
     if args.out is not None:
         args.out.write_text(json.dumps({"bandwidth": bw, "cells": rows}, indent=2))
