@@ -7,6 +7,13 @@ Usage, from the repository root on a machine with one GPU::
     python -m bench.offload_bench --size 1.3b                      # the default cells, 1.3B
     python -m bench.offload_bench --size 7b --cells ours-gpu,fsdp2-offload
     python -m bench.offload_bench --bandwidth                      # pinned H2D / D2H GB/s only
+    python -m bench.offload_bench --sizes 2.7b,7b,13b --cells ours-gpu-hostall,fsdp2-offload-fused
+
+``--sizes`` steps each cell up through the sizes given until one does not train (out of memory,
+an error or a timeout) and ends with the largest size each cell trained: the "largest model on
+one GPU" comparison. Host memory bounds it too: fp32 main params and Adam moments take 12-16
+bytes per parameter on the host (about 98 GiB at 7B), and a cell killed for host memory is a row
+with its error like any other.
 
 Sizes are the suite's (``bench.impls.SIZES``); the offload cells are this module's, not the
 suite's (the suite's cells run several ranks and compare with FSDP2 without offload).
@@ -27,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,33 +190,62 @@ def bandwidth(gib: float = 1.0, repeat: int = 5) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------- driver
-def _spawn(cell: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.offload_bench", "--one", cell, "--size", args.size,
+def _spawn(cell: str, size: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "bench.offload_bench", "--one", cell, "--size", size,
            "--micro-batch", str(args.micro_batch), "--warmup", str(args.warmup), "--steps", str(args.steps)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"cell": cell, "size": size, "status": "timeout", "detail": f"over {args.timeout} s"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     status = "OOM" if "OutOfMemoryError" in proc.stderr or "out of memory" in proc.stderr else "error"
-    return {"cell": cell, "size": args.size, "status": status, "detail": " | ".join(tail)}
+    return {"cell": cell, "size": size, "status": status, "detail": " | ".join(tail)}
+
+
+def sweep(cells: list[str], sizes: list[str], args: argparse.Namespace,
+          spawn: Callable[[str, str, argparse.Namespace], dict[str, Any]] = _spawn) -> list[dict[str, Any]]:
+    """Each cell at each size in order, in a fresh process per run, stepping up until the first
+    size it does not train (the larger ones are not tried); one row per run, printed as it ends."""
+    rows = []
+    for cell in cells:
+        for size in sizes:
+            rows.append(spawn(cell, size, args))
+            print(json.dumps(rows[-1]), flush=True)
+            if rows[-1].get("status") != "ok":
+                break
+    return rows
+
+
+def largest(rows: list[dict[str, Any]], cells: list[str], sizes: list[str]) -> str:
+    """Per cell the largest size that trained (sizes in the order given), with its tokens/s."""
+    out = []
+    for cell in cells:
+        ok = [r for r in rows if r["cell"] == cell and r.get("status") == "ok"]
+        best = max(ok, key=lambda r: sizes.index(r["size"]), default=None)
+        out.append(f"- {cell}: " + (f"{best['size']} ({best['tokens_per_s']:.0f} tokens/s, peak "
+                                      f"{best['peak_gib']:.2f} GiB)" if best else "none of " + ",".join(sizes)))
+    return "\n".join(["Largest size trained:", *out])
 
 
 def _table(rows: list[dict[str, Any]], bw: dict[str, float] | None) -> str:
-    head = ("| cell | tokens/s | step ms | fwd+bwd ms | opt ms | peak GiB | rest GiB | loss first/last "
+    head = ("| cell | size | tokens/s | step ms | fwd+bwd ms | opt ms | peak GiB | rest GiB | loss first/last "
             "| step's host<->device bytes / duplex bandwidth, ms |")
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['cell']} | {r.get('status')} | | | | | | | {r.get('detail', '')[:80]} |")
+            lines.append(f"| {r['cell']} | {r.get('size', '')} | {r.get('status')} | | | | | | | "
+                         f"{r.get('detail', '')[:80]} |")
             continue
         bound = ""
         if bw is not None:
             h2d, d2h = offload_bytes(r["cell"], r["params"])
             if h2d or d2h:
                 bound = f"{1e3 * max(h2d / (bw['duplex_each_gbps'] * 1e9), d2h / (bw['duplex_each_gbps'] * 1e9)):.0f}"
-        lines.append(f"| {r['cell']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.0f} | {r['fwd_bwd_ms']:.0f} | "
-                     f"{r['opt_ms']:.0f} | {r['peak_gib']:.2f} | {r['rest_gib']:.2f} | "
+        lines.append(f"| {r['cell']} | {r['size']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.0f} | "
+                     f"{r['fwd_bwd_ms']:.0f} | {r['opt_ms']:.0f} | {r['peak_gib']:.2f} | {r['rest_gib']:.2f} | "
                      f"{r['loss_first']:.3f}/{r['loss_last']:.3f} | {bound} |")
     return "\n".join(lines)
 
@@ -217,6 +254,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags; bad sizes, cells and counts are refused naming the allowed values."""
     parser = cli.parser(__doc__)
     parser.add_argument("--size", default="1.3b", choices=list(SIZES))
+    parser.add_argument("--sizes", type=cli.csv_list(list(SIZES)), default=None,
+                        help="step each cell up through these sizes until one does not train (replaces --size)")
     parser.add_argument("--cells", type=cli.csv_list(list(CELLS)), default=list(DEFAULT_CELLS),
                         help="comma-separated offload cells")
     cli.add_step_flags(parser, steps=5, warmup=2)
@@ -238,11 +277,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"bandwidth": bw}), flush=True)
     if args.bandwidth:
         return
-    rows = []
-    for cell in args.cells:
-        rows.append(_spawn(cell, args))
-        print(json.dumps(rows[-1]), flush=True)
+    sizes = args.sizes or [args.size]
+    rows = sweep(args.cells, sizes, args)
     print(_table(rows, bw))
+    if args.sizes:
+        print(largest(rows, args.cells, sizes))
     for cell in args.cells:
         print(f"- {cell}: {CELLS[cell]}")
     if args.out is not None:
