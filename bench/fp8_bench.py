@@ -122,7 +122,7 @@ def _fsdp(module: nn.Module, env: Env, keep_transpose: bool, fused: bool = False
           ) -> tuple[nn.Module, torch.optim.Optimizer]:
     import fsdp_impl
     policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=impls.LR, **({"fused": True} if fused else {}))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=impls.LR, fused=fused or None)  # None: torch's default
     return fsdp_impl.fully_shard(module, optimizer,
                                  fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params",
                                  mixed_precision_policy=policy, keep_fp8_transpose_cache=keep_transpose,
@@ -216,7 +216,7 @@ def target_line(rows: list[dict]) -> str:
             b = next((c for c in cells if c.size == size and c.impl == ref), None)
             if a is None or b is None:
                 if (impl, ref, need, peak) in TARGETS:
-                        lines.append(f"- {size}: {impl} vs {ref}: n/a (not both measured)")
+                    lines.append(f"- {size}: {impl} vs {ref}: n/a (not both measured)")
                 continue
             r = a.tok_s / b.tok_s
             ok = r >= need and (not peak or a.peak_gib <= b.peak_gib)

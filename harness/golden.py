@@ -32,6 +32,7 @@ from typing import Any
 
 import pytest
 
+from harness.gpu_generation import generation_of
 from harness.report.junit_format import (
     CHECKPOINT_COMPAT_PROPERTY,
     GOLDEN_DRIFT,
@@ -109,10 +110,7 @@ def detect_platform() -> str:
     if os.environ.get("HARNESS_FORCE_CPU") == "1" or not torch.cuda.is_available():
         return "cpu"
     name = torch.cuda.get_device_name(0).lower()
-    for gen in ("gb200", "b200", "h200", "h100", "a100"):
-        if gen in name:
-            return gen
-    return name.replace("nvidia", "").strip().replace(" ", "_") or "gpu"
+    return generation_of(name) or name.replace("nvidia", "").strip().replace(" ", "_") or "gpu"
 
 
 def versions() -> dict[str, str]:

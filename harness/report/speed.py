@@ -32,6 +32,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from harness.gpu_generation import generation_of
 from harness.report.junit_read import JunitError
 from harness.report.verdict import Rule
 
@@ -146,15 +147,6 @@ def read_baseline(path: str | pathlib.Path) -> dict[str, Any]:
         if not isinstance(cell, dict) or not {"size", "impl", "tok_s_per_gpu"} <= set(cell):
             raise JunitError(f"{p}: every cell needs size, impl and tok_s_per_gpu (got {cell!r})")
     return data
-
-
-GENERATIONS = ("gb200", "b200", "h200", "h100", "a100")  # longest match first: "gb200" contains "b200"
-
-
-def generation_of(device: str) -> str | None:
-    """The GPU generation in a device name ("NVIDIA H200" -> ``h200``), ``None`` if none is known."""
-    name = device.lower()
-    return next((gen for gen in GENERATIONS if gen in name), None)
 
 
 def baseline_file_name(gen: str, world: int, fake: bool) -> str:
