@@ -6,7 +6,9 @@ On CUDA, collectives run on side streams ordered against the compute stream with
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,6 +69,47 @@ def pinned_memory_available(device: torch.device) -> bool:
     """Whether page-locked host memory can back copies to and from ``device`` (CUDA only; on a
     CPU device the host is the device, so there is nothing to pin)."""
     return device.type == "cuda" and torch.cuda.is_available()
+
+
+# Below this size ``pinned_zeros`` takes torch's pinned allocator (its power-of-two rounding wastes
+# under 1 MiB a buffer); from it up, it page-locks ordinary host memory in place.
+PIN_IN_PLACE_MIN_BYTES = 2**20
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pinning
+
+
+def pinned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zero-filled page-locked host memory of exactly ``numel`` elements (CUDA only).
+
+    Why not ``torch.zeros(..., pin_memory=True)``: torch's pinned allocator rounds every block up
+    to a power of two and caches it, so a 7B unit's 805 MB fp32 buffer takes 1 GiB: about 1.3x
+    the host bytes of the offloaded state, which is what bounds the model size offload trains on
+    one node. From ``PIN_IN_PLACE_MIN_BYTES`` up, the buffer is ordinary host memory page-locked
+    in place (``cudaHostRegister``, as torch's DCP stager does) and unlocked when its storage is
+    freed; copies from and to it are asynchronous like those of torch's pinned blocks.
+    """
+    nbytes = numel * dtype.itemsize
+    if nbytes < PIN_IN_PLACE_MIN_BYTES:
+        return torch.zeros(numel, dtype=dtype, pin_memory=True)
+    tensor = torch.zeros(numel, dtype=dtype)
+    storage = tensor.untyped_storage()
+    code = int(_cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), _REGISTER_PORTABLE))
+    if code != 0:
+        raise RuntimeError(f"page-locking {nbytes} bytes of host memory failed (cudaHostRegister error {code}); "
+                           "the host may be out of lockable memory (ulimit -l): pass "
+                           "OffloadPolicy(pin_memory=False) for pageable, synchronous copies")
+    # Not at exit: the CUDA context may be gone by then, and the process's end unlocks the pages.
+    weakref.finalize(storage, _host_unregister, storage.data_ptr()).atexit = False
+    return tensor
+
+
+def _cudart() -> Any:
+    """torch's CUDA runtime bindings (a function, so CPU-only tests can stand in for them)."""
+    return torch.cuda.cudart()
+
+
+def _host_unregister(ptr: int) -> int:
+    """Unlock pages locked by ``pinned_zeros`` (its storage is being freed); returns the CUDA code."""
+    return int(_cudart().cudaHostUnregister(ptr))
 
 
 def synchronize(device: torch.device) -> None:

@@ -18,7 +18,8 @@ What lives where (per rank, for its shards only):
   on the device (``offload_step.py``).
 
 Host buffers are pinned (page-locked) with ``pin_memory=True``, so copies run asynchronously on
-side streams; without pinning they are synchronous copies.
+side streams; without pinning they are synchronous copies. Pinned buffers hold exactly their bytes
+(``device.pinned_zeros``), not torch's power-of-two-rounded pinned blocks.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from .buffers import DataParallelBuffer
-from .device import host_device, pinned_memory_available, synchronize
+from .device import host_device, pinned_memory_available, pinned_zeros, synchronize
 
 if TYPE_CHECKING:
     from .unit import FSDPUnit
@@ -152,7 +153,7 @@ def host_buffer(like: DataParallelBuffer, pin: bool) -> DataParallelBuffer:
     """A zero-filled host buffer with ``like``'s layout, rank and dtype (pinned if asked)."""
     buf = DataParallelBuffer(like.layout, like.rank, like.dtype, host_device())
     if pin:
-        buf.data = torch.zeros(buf.data.numel(), dtype=buf.dtype, pin_memory=True)
+        buf.data = pinned_zeros(buf.data.numel(), buf.dtype)
     return buf
 
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype  # Adam's step-counter dtype (torch's own rule)
 
 from .decoupled import read_grad
-from .device import host_device, synchronize
+from .device import host_device, pinned_zeros, synchronize
 from .graph_mode import USER_CLASS_ATTR
 from .offload import OffloadPolicy
 from .offload_step import GRAD, PARAM, StepStreams, StreamedStep, StreamEntry
@@ -279,7 +279,7 @@ class OffloadedAdamStep:
             if not self.policy.optimizer_state:
                 arena = torch.zeros(numel, dtype=dtype, device=self.device)
             elif self.policy.pin_memory:
-                arena = torch.zeros(numel, dtype=dtype, pin_memory=True)
+                arena = pinned_zeros(numel, dtype)
             else:
                 arena = torch.zeros(numel, dtype=dtype, device=host_device())
             self.arenas[name] = arena

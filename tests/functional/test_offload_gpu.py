@@ -18,9 +18,13 @@ Step counters of torch's (non-fused) AdamW live on the host in every case. Durin
 step the device holds, above the resting level, the window (``WINDOW_SLOTS`` chunks of
 ``chunk_bytes``) and the foreach kernel's one temporary per chunk (``sqrt(exp_avg_sq)``).
 All comparisons allow 1 MiB (the caching allocator's rounding), as ``test_memory_gpu.py``.
+Host buffers hold exactly their bytes: the offloaded cases' buffers (each above
+``PIN_IN_PLACE_MIN_BYTES``) are page-locked in place, so torch's caching host allocator, which
+rounds each block up to a power of two, grows by less than 1 MiB over a wrap and three steps.
 """
 from __future__ import annotations
 
+import gc
 import math
 from typing import Any
 
@@ -30,6 +34,8 @@ import torch.nn as nn
 
 import fsdp_impl
 from fsdp_impl import checkpoint
+from fsdp_impl import device as fsdp_device
+from fsdp_impl.device import PIN_IN_PLACE_MIN_BYTES, pinned_zeros
 from fsdp_impl.offload_step import WINDOW_SLOTS
 from harness import matrix
 from tests.functional import matrix_axes as axes
@@ -83,6 +89,7 @@ def test_offload_resting_memory_matches_closed_form(case: str | None, dist_env) 
     device = dist_env.device
     _warm_cublas(device)
     base = _allocated(device)
+    host_base = _host_cached_bytes()
     torch.manual_seed(0)
     model = nn.Sequential(*[Block() for _ in range(LAYERS)]).to(device=device, dtype=torch.bfloat16)
     shard = sum(math.ceil(p.shape[0] / dist_env.world_size) * (p.numel() // p.shape[0]) for p in model.parameters())
@@ -122,6 +129,53 @@ def test_offload_resting_memory_matches_closed_form(case: str | None, dist_env) 
         rests.append(used())
         check(f"step {step} after zero_grad()", rests[-1], rest_s)
     assert max(rests) - min(rests) <= SLACK, f"{case}: resting memory drifts over steps: {rests}"
+    host_growth = _host_cached_bytes() - host_base
+    assert host_growth <= SLACK, (f"{case}: torch's pinned allocator grew by {host_growth / MIB:.1f} MiB: large "
+                                  "host buffers must be page-locked in place (device.pinned_zeros), not rounded up")
+
+
+def _host_cached_bytes() -> int:
+    """Bytes held by torch's caching host (pinned) allocator, active and cached."""
+    stats = torch.cuda.host_memory_stats()
+    for key in ("allocated_bytes.current", "allocated_bytes.all.current"):
+        if key in stats:
+            return int(stats[key])
+    raise AssertionError(f"torch.cuda.host_memory_stats() has no allocated-bytes key: {sorted(stats)}")
+
+
+@pytest.mark.parametrize("numel,dtype", [(201_326_592 + 5, torch.float32),
+                                         (PIN_IN_PLACE_MIN_BYTES // 2, torch.bfloat16)])
+def test_pinned_zeros_are_exact_page_locked_and_copy_asynchronously(numel: int, dtype: torch.dtype,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 805 MB (+20 bytes) buffer: page-locked, exactly its bytes, outside torch's caching host
+    allocator (which would hold 1 GiB for it); an asynchronous device round trip returns its
+    values; freeing it unlocks the pages (cudaHostUnregister returns cudaSuccess)."""
+    unlocked: list[tuple[int, int]] = []
+    real_unregister = fsdp_device._host_unregister
+
+    def recording_unregister(ptr: int) -> int:
+        unlocked.append((ptr, real_unregister(ptr)))
+        return unlocked[-1][1]
+
+    monkeypatch.setattr(fsdp_device, "_host_unregister", recording_unregister)
+    torch.cuda.synchronize()
+    before = _host_cached_bytes()
+    host = pinned_zeros(numel, dtype)
+    assert host.is_pinned() and host.numel() == numel and host.untyped_storage().nbytes() == numel * dtype.itemsize
+    assert int(host.count_nonzero()) == 0
+    assert _host_cached_bytes() == before, "the buffer came from torch's (rounding) pinned allocator"
+    host.copy_(torch.arange(numel, dtype=torch.float32).to(dtype))
+    expect = host.clone()
+    on_device = host.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    host.zero_()
+    host.copy_(on_device, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(host, expect)
+    ptr = host.untyped_storage().data_ptr()
+    del host, on_device
+    gc.collect()
+    assert unlocked == [(ptr, 0)], f"freeing the buffer must unlock its pages once, with cudaSuccess: {unlocked}"
 
 
 OPTIMIZERS = {
