@@ -48,6 +48,7 @@ SIZES: dict[str, GPTConfig] = {
     "1.3b": GPTConfig(hidden=2048, layers=24, heads=16),
     "2.7b": GPTConfig(hidden=2560, layers=32, heads=32),
     "7b": GPTConfig(hidden=4096, layers=32, heads=32),
+    "9b": GPTConfig(hidden=4608, layers=36, heads=36),  # offload runs: 9.3B, between 7b and 13b
     "13b": GPTConfig(hidden=5120, layers=40, heads=40),  # offload runs (bench.offload_bench)
 }
 LR = 1e-4

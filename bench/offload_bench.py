@@ -7,13 +7,14 @@ Usage, from the repository root on a machine with one GPU::
     python -m bench.offload_bench --size 1.3b                      # the default cells, 1.3B
     python -m bench.offload_bench --size 7b --cells ours-gpu,fsdp2-offload
     python -m bench.offload_bench --bandwidth                      # pinned H2D / D2H GB/s only
-    python -m bench.offload_bench --sizes 2.7b,7b,13b --cells ours-gpu-hostall,fsdp2-offload-fused
+    python -m bench.offload_bench --sizes 7b,9b,13b --cells ours-gpu-lean,fsdp2-offload-fused
 
 ``--sizes`` steps each cell up through the sizes given until one does not train (out of memory,
 an error or a timeout) and ends with the largest size each cell trained: the "largest model on
-one GPU" comparison. Host memory bounds it too: fp32 main params and Adam moments take 12-16
-bytes per parameter on the host (about 98 GiB at 7B), and a cell killed for host memory is a row
-with its error like any other.
+one GPU" comparison. Host memory bounds it too: fp32 main params, grads and Adam moments take
+16 bytes per parameter on the host (98 GiB at 7B), ``ours-gpu-lean`` 10 (bf16 grads and moments:
+87 GiB at 9B), and a cell killed for host memory is a row with its error like any other; each
+row has the process's peak resident host memory.
 
 Sizes are the suite's (``bench.impls.SIZES``); the offload cells are this module's, not the
 suite's (the suite's cells run several ranks and compare with FSDP2 without offload).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -52,6 +54,8 @@ CELLS = {
                  "a bf16 compute shard stays on the device)"),
     "ours-gpu-hostall": "as ours + OffloadPolicy(params=True, grads=True) (nothing rests on the device)",
     "ours-cpu": "as ours + OffloadPolicy(step='cpu') (host step, torch's fused CPU AdamW)",
+    "ours-gpu-lean": ("as ours-gpu with bf16 main grads and fsdp_impl.optim.AdamW's bf16 moments (10 host bytes a "
+                      "param instead of 16: the largest models)"),
     "fsdp2": "torch fully_shard per block + root, fp32 module, param bf16 / reduce fp32, AdamW (foreach)",
     "fsdp2-offload": "as fsdp2 + CPUOffloadPolicy(pin_memory=True), AdamW default (CPU: single-tensor)",
     "fsdp2-offload-fused": "as fsdp2-offload with AdamW(fused=True) (torch's fused CPU kernel)",
@@ -68,6 +72,8 @@ def offload_bytes(cell: str, n: int) -> tuple[int, int]:
         return 16 * n, 12 * n + 4 * n  # backward; gathers from the device compute shard (refreshed from the window)
     if cell == "ours-gpu-hostall":  # window also streams the grads in; grads down after backward; 2 gathers from host
         return 16 * n + 2 * 4 * n, 12 * n + 4 * n
+    if cell == "ours-gpu-lean":  # as ours-gpu with 2-byte grads and moments: in 4 + 2 + 2 * 2, out 4 + 2 * 2 + 2
+        return 10 * n, 10 * n
     if cell == "ours-cpu":  # grads down; the bf16 compute shard refreshed once per step (fp32 up)
         return 4 * n, 4 * n
     if cell.startswith("fsdp2-offload"):  # fp32 sharded params up for each of 2 gathers, grads down
@@ -94,14 +100,19 @@ def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Mo
     if cell.startswith("ours"):
         module = module.to(torch.bfloat16)
         kwargs: dict[str, Any] = {}
-        if cell == "ours-gpu":
+        if cell in ("ours-gpu", "ours-gpu-lean"):
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy()
         elif cell == "ours-gpu-hostall":
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(params=True, grads=True)
         elif cell == "ours-cpu":
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu")
-        policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
-        opt = torch.optim.AdamW(module.parameters(), lr=LR)
+        lean = cell == "ours-gpu-lean"
+        policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32,
+                                                main_grads_dtype=torch.bfloat16 if lean else torch.float32)
+        opt: torch.optim.Optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+        if lean:
+            opt = fsdp_impl.optim.AdamW(module.parameters(), lr=LR, exp_avg_dtype=torch.bfloat16,
+                                        exp_avg_sq_dtype=torch.bfloat16)
         return fsdp_impl.fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=3,
                                      mixed_precision_policy=policy, **kwargs)
     from torch.distributed.device_mesh import init_device_mesh
@@ -154,6 +165,7 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int) ->
         "tokens_per_s": micro_batch * cfg.seq / median(totals), "step_ms": 1e3 * median(totals),
         "fwd_bwd_ms": 1e3 * median(fwd_bwd), "opt_ms": 1e3 * median(step_times),
         "peak_gib": torch.cuda.max_memory_allocated() / GIB, "rest_gib": torch.cuda.memory_allocated() / GIB,
+        "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,  # Linux: KiB
         "loss_first": losses[0], "loss_last": losses[-1], "status": "ok",
     }
 
@@ -231,12 +243,12 @@ def largest(rows: list[dict[str, Any]], cells: list[str], sizes: list[str]) -> s
 
 
 def _table(rows: list[dict[str, Any]], bw: dict[str, float] | None) -> str:
-    head = ("| cell | size | tokens/s | step ms | fwd+bwd ms | opt ms | peak GiB | rest GiB | loss first/last "
-            "| step's host<->device bytes / duplex bandwidth, ms |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| cell | size | tokens/s | step ms | fwd+bwd ms | opt ms | peak GiB | rest GiB | host peak GiB "
+            "| loss first/last | step's host<->device bytes / duplex bandwidth, ms |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['cell']} | {r.get('size', '')} | {r.get('status')} | | | | | | | "
+            lines.append(f"| {r['cell']} | {r.get('size', '')} | {r.get('status')} | | | | | | | | "
                          f"{r.get('detail', '')[:80]} |")
             continue
         bound = ""
@@ -246,6 +258,7 @@ def _table(rows: list[dict[str, Any]], bw: dict[str, float] | None) -> str:
                 bound = f"{1e3 * max(h2d / (bw['duplex_each_gbps'] * 1e9), d2h / (bw['duplex_each_gbps'] * 1e9)):.0f}"
         lines.append(f"| {r['cell']} | {r['size']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.0f} | "
                      f"{r['fwd_bwd_ms']:.0f} | {r['opt_ms']:.0f} | {r['peak_gib']:.2f} | {r['rest_gib']:.2f} | "
+                     f"{r.get('host_peak_gib', float('nan')):.1f} | "
                      f"{r['loss_first']:.3f}/{r['loss_last']:.3f} | {bound} |")
     return "\n".join(lines)
 

@@ -25,16 +25,19 @@ def test_bad_cells_sizes_and_counts_are_refused_naming_the_allowed_values(capsys
 def test_table_bounds_each_offloaded_step_by_its_bytes_over_the_bandwidth() -> None:
     n = 10**9
     ok = {"status": "ok", "params": n, "tokens_per_s": 1000.0, "step_ms": 900.0, "fwd_bwd_ms": 300.0,
-          "opt_ms": 600.0, "peak_gib": 15.2, "rest_gib": 2.4, "loss_first": 10.4, "loss_last": 10.1}
+          "opt_ms": 600.0, "peak_gib": 15.2, "rest_gib": 2.4, "host_peak_gib": 104.26, "loss_first": 10.4,
+          "loss_last": 10.1}
     rows = [{**ok, "cell": "ours-gpu", "size": "7b"}, {**ok, "cell": "ours", "size": "7b"},
-            {"cell": "fsdp2", "size": "7b", "status": "OOM", "detail": "x"}]
+            {"cell": "fsdp2", "size": "7b", "status": "OOM", "detail": "x"},
+            {**ok, "cell": "ours-gpu-lean", "size": "9b"}]
     table = offload_bench._table(rows, {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "duplex_each_gbps": 50.0})
     lines = table.splitlines()
     # ours-gpu moves 16 bytes per parameter each way (main params, moments, grads): 16e9 B / 50 GB/s = 320 ms
-    assert lines[2].startswith("| ours-gpu | 7b | 1000 | 900 | 300 | 600 | 15.20 | 2.40 |")
+    assert lines[2].startswith("| ours-gpu | 7b | 1000 | 900 | 300 | 600 | 15.20 | 2.40 | 104.3 |")
     assert lines[2].endswith("| 320 |")
     assert lines[3].endswith("| 10.400/10.100 |  |")  # no offload: no bound
     assert lines[4].startswith("| fsdp2 | 7b | OOM |")
+    assert lines[5].endswith("| 200 |")  # the lean cell: 10 bytes per parameter each way
 
 
 def test_a_cell_runs_in_its_own_process_and_a_failure_is_a_row() -> None:
