@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -43,11 +42,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench import cli
+from bench import cli, launch
 from bench.gpt import GPT, Block, GPTConfig
 from bench.impls import SIZES, num_params_of
 
-ROOT = Path(__file__).resolve().parents[1]  # the cells' working directory (``python -m bench.offload_bench``)
 CELLS = {
     "ours": "fsdp_impl ZeRO-3, bf16 module, fp32 main params and grads, torch AdamW (foreach), no offload",
     "ours-gpu": ("as ours + OffloadPolicy() (step='gpu': main params, grads and moments on the host, streamed step; "
@@ -203,18 +201,19 @@ def bandwidth(gib: float = 1.0, repeat: int = 5) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------------- driver
 def _spawn(cell: str, size: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One cell in a child of its own session (``bench.launch.run``: killed with its children on
+    a timeout or when the driver is signalled); its result is the last JSON line it prints."""
     cmd = [sys.executable, "-m", "bench.offload_bench", "--one", cell, "--size", size,
            "--micro-batch", str(args.micro_batch), "--warmup", str(args.warmup), "--steps", str(args.steps)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired:
+    done = launch.run(cmd, dict(os.environ, PYTHONUNBUFFERED="1"), args.timeout, prefix=f"[{cell} {size}] ")
+    if done.timed_out:
         return {"cell": cell, "size": size, "status": "timeout", "detail": f"over {args.timeout} s"}
-    for line in reversed(proc.stdout.splitlines()):
+    for line in reversed(done.tail):
         if line.startswith("{"):
-            return json.loads(line)
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    status = "OOM" if "OutOfMemoryError" in proc.stderr or "out of memory" in proc.stderr else "error"
-    return {"cell": cell, "size": size, "status": status, "detail": " | ".join(tail)}
+            return dict(json.loads(line))
+    text = "\n".join(done.tail)
+    status = "OOM" if "OutOfMemoryError" in text or "out of memory" in text else "error"
+    return {"cell": cell, "size": size, "status": status, "detail": done.why()}
 
 
 def sweep(cells: list[str], sizes: list[str], args: argparse.Namespace,
@@ -285,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.one:
         print(json.dumps(run_cell(args.one, args.size, args.micro_batch, args.warmup, args.steps)), flush=True)
         return
+    launch.stop_children_on_signal()  # a signalled driver (timeout, Ctrl-C) stops the running cell too
     bw = bandwidth() if args.bandwidth or args.report_limit else None
     if bw is not None:
         print(json.dumps({"bandwidth": bw}), flush=True)

@@ -20,7 +20,8 @@ step the device holds, above the resting level, the window (``WINDOW_SLOTS`` chu
 All comparisons allow 1 MiB (the caching allocator's rounding), as ``test_memory_gpu.py``.
 Host buffers hold exactly their bytes: the offloaded cases' buffers (each above
 ``PIN_IN_PLACE_MIN_BYTES``) are page-locked in place, so torch's caching host allocator, which
-rounds each block up to a power of two, grows by less than 1 MiB over a wrap and three steps.
+rounds each block up to a power of two, grows by less than ``HOST_SLACK`` over a wrap and three
+steps (the small buffers it still serves).
 """
 from __future__ import annotations
 
@@ -50,6 +51,11 @@ HIDDEN, LAYERS, BATCH = 2048, 8, 8
 MIB = 2**20
 SLACK = MIB
 CHUNK_BYTES = 32 * MIB
+# Buffers under PIN_IN_PLACE_MIN_BYTES (a unit's small parameter groups, step counters) still come
+# from torch's pinned allocator, rounded up: 1.1 MiB (no offload: torch's own staging) and
+# 3.1 MiB (gpu_host_all) were measured on the H200. One of this model's unit buffers (134 MB fp32)
+# taken from that allocator would add 256 MiB, so 16 MiB still tells the two apart.
+HOST_SLACK = 16 * MIB
 # case -> (after wrap, after step, after zero_grad) in units of S bytes (the table above)
 RESTING = {None: (8, 16, 12), "gpu": (2, 2, 2), "gpu_host_all": (0, 0, 0), "gpu_state_only": (8, 8, 4),
            "cpu": (2, 2, 2)}
@@ -130,7 +136,7 @@ def test_offload_resting_memory_matches_closed_form(case: str | None, dist_env) 
         check(f"step {step} after zero_grad()", rests[-1], rest_s)
     assert max(rests) - min(rests) <= SLACK, f"{case}: resting memory drifts over steps: {rests}"
     host_growth = _host_cached_bytes() - host_base
-    assert host_growth <= SLACK, (f"{case}: torch's pinned allocator grew by {host_growth / MIB:.1f} MiB: large "
+    assert host_growth <= HOST_SLACK, (f"{case}: torch's pinned allocator grew by {host_growth / MIB:.1f} MiB: large "
                                   "host buffers must be page-locked in place (device.pinned_zeros), not rounded up")
 
 
