@@ -52,8 +52,8 @@ CELLS = {
                  "a bf16 compute shard stays on the device)"),
     "ours-gpu-hostall": "as ours + OffloadPolicy(params=True, grads=True) (nothing rests on the device)",
     "ours-cpu": "as ours + OffloadPolicy(step='cpu') (host step, torch's fused CPU AdamW)",
-    "ours-gpu-lean": ("as ours-gpu with bf16 main grads and fsdp_impl.optim.AdamW's bf16 moments (10 host bytes a "
-                      "param instead of 16: the largest models)"),
+    "ours-gpu-lean": ("as ours-gpu with bf16 main grads read as decoupled grads by fsdp_impl.optim.AdamW with bf16 "
+                      "moments (10 host bytes a param instead of 16: the largest models)"),
     "fsdp2": "torch fully_shard per block + root, fp32 module, param bf16 / reduce fp32, AdamW (foreach)",
     "fsdp2-offload": "as fsdp2 + CPUOffloadPolicy(pin_memory=True), AdamW default (CPU: single-tensor)",
     "fsdp2-offload-fused": "as fsdp2-offload with AdamW(fused=True) (torch's fused CPU kernel)",
@@ -108,9 +108,10 @@ def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Mo
         policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                                 main_grads_dtype=torch.bfloat16 if lean else torch.float32)
         opt: torch.optim.Optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
-        if lean:
+        if lean:  # decoupled grads: bf16 grads of fp32 params would otherwise be cast into fp32 .grad tensors
             opt = fsdp_impl.optim.AdamW(module.parameters(), lr=LR, exp_avg_dtype=torch.bfloat16,
-                                        exp_avg_sq_dtype=torch.bfloat16)
+                                        exp_avg_sq_dtype=torch.bfloat16, use_decoupled_grad=True)
+            kwargs["use_decoupled_grad"] = True
         return fsdp_impl.fully_shard(module, opt, fsdp_unit_modules=[Block], zero_dp_strategy=3,
                                      mixed_precision_policy=policy, **kwargs)
     from torch.distributed.device_mesh import init_device_mesh
