@@ -289,10 +289,14 @@ class FSDPEngine:
             if bad:
                 raise RuntimeError(f"NaN found in the gradient of parameter(s) {bad} "
                                    "(report_nan_in_param_grad=True)")
+        if self.offload is not None:
+            for unit in self.units:
+                unit.grads_to_host()
+            # Wait for the device-to-host copies before anything reads the host grads: a grad
+            # whose dtype differs from its param's is installed as a cast copy, read right now.
+            self.offload.after_grads_to_host()
         for unit in self.units:
             unit.install_grads(self.use_decoupled_grad)
-        if self.offload is not None:
-            self.offload.after_grads_to_host()
 
     def _nan_grad_names(self) -> list[str]:
         """FQNs whose synced grad holds a NaN on *any* rank (one MAX all-reduce of per-param

@@ -465,6 +465,12 @@ class FSDPUnit:
         self._ready = 0
         self.state = TrainingState.IDLE
 
+    def grads_to_host(self) -> None:
+        """Offloaded grads: start the reduced grads' copy into the host buffer (asynchronous with
+        pinned memory; ``install_grads`` may read them only after the engine waited for it)."""
+        if self.grad is not None and self.offload is not None and self.offload.host_grad is not None:
+            self.offload.grads_to_host(self.grad)
+
     def install_grads(self, decoupled: bool) -> None:
         """Expose the main-grad shards on the DTensor params (``.grad`` or ``.decoupled_grad``).
 
@@ -477,7 +483,7 @@ class FSDPUnit:
         if self.grad is None:
             return
         if self.offload is not None and self.offload.host_grad is not None:
-            buffer = self.offload.grads_to_host(self.grad)  # grads wait for the step in host memory
+            buffer = self.offload.host_grad  # filled by grads_to_host; the engine waited for the copies
         else:
             buffer = self.grad
             buffer.ensure_allocated()

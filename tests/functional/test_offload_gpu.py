@@ -189,7 +189,14 @@ OPTIMIZERS = {
     "adamw_fused": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True),
     "fsdp_adamw_bf16_moments": lambda m: fsdp_impl.optim.AdamW(m.parameters(), lr=1e-3, exp_avg_dtype=torch.bfloat16,
                                                                exp_avg_sq_dtype=torch.bfloat16),
+    # bf16 main grads: read as such (decoupled), or handed to torch's AdamW as fp32 .grad casts of
+    # the host grads (made right after the backward: the device-to-host copies must have landed)
+    "fsdp_adamw_decoupled_bf16": lambda m: fsdp_impl.optim.AdamW(m.parameters(), lr=1e-3, use_decoupled_grad=True,
+                                                                 exp_avg_dtype=torch.bfloat16,
+                                                                 exp_avg_sq_dtype=torch.bfloat16),
+    "adamw_bf16_grads": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
 }
+BF16_GRADS = {"fsdp_adamw_decoupled_bf16": True, "adamw_bf16_grads": False}  # optimizer -> use_decoupled_grad
 
 
 @pytest.mark.distributed(world_size=1, timeout=600)
@@ -203,8 +210,10 @@ def test_offload_losses_match_no_offload_on_gpu(case: str, optim: str, clip: boo
     params equal no offload's bit for bit when both sides run the same math (no clip, or device
     grads); step='cpu' and clipped host grads within GPU_ROUNDING_* (measured values printed)."""
     device = dist_env.device
-    kwargs: dict[str, Any] = dict(zero_dp_strategy=3,
-                                  mixed_precision_policy=fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32))
+    grads_dtype = torch.bfloat16 if optim in BF16_GRADS else None
+    kwargs: dict[str, Any] = dict(zero_dp_strategy=3, use_decoupled_grad=BF16_GRADS.get(optim, False),
+                                  mixed_precision_policy=fsdp_impl.MixedPrecisionPolicy(
+                                      main_params_dtype=torch.float32, main_grads_dtype=grads_dtype))
     norms: dict[str, list[float]] = {"ref": [], "off": []}
 
     def clipper(into: str) -> Any:

@@ -194,6 +194,27 @@ def test_bf16_grads_and_params_use_fp32_math() -> None:
     torch.testing.assert_close(ours_p.detach(), ref_p.detach(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the multi-tensor CUDA kernels)")
+@pytest.mark.parametrize("foreach", [None, False])
+def test_bf16_decoupled_grads_and_moments_on_cuda_close_to_fp32(foreach: bool | None) -> None:
+    """The precision-aware step as a large offloaded run takes it on a GPU: fp32 CUDA params,
+    bf16 decoupled grads, bf16 moments, torch's default path there (None: the multi-tensor
+    kernels) and the single-tensor loop, against torch's fp32 AdamW fed the same grads. The
+    bound is ``test_bf16_moments_close_to_fp32``'s (bf16 moments); a wrong update fails it."""
+    ours_p = [torch.nn.Parameter(p.detach().cuda()) for p in _make_params()]
+    ref_p = _make_params()
+    ours = AdamW(ours_p, lr=LR, foreach=foreach, use_decoupled_grad=True, exp_avg_dtype=torch.bfloat16,
+                 exp_avg_sq_dtype=torch.bfloat16)
+    ref = torch.optim.AdamW(ref_p, lr=LR)
+    for step in range(STEPS):
+        for p, q, g in zip(ours_p, ref_p, _grads(ref_p, step), strict=True):
+            p.decoupled_grad = None if g is None else g.bfloat16().cuda()
+            q.grad = None if g is None else g.bfloat16().float()
+        ours.step()
+        ref.step()
+    _assert_params_close([p.cpu() for p in ours_p], ref_p, rtol=0, atol=STEPS * LR * 0.05)
+
+
 def test_reads_decoupled_grad_when_flag_set() -> None:
     ours_p, ref_p = _make_params(), _make_params()
     ours = AdamW(ours_p, lr=LR, use_decoupled_grad=True)
