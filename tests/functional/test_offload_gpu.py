@@ -77,6 +77,7 @@ class Block(ResidualMLP):
 
 
 def _allocated(device: torch.device) -> int:
+    gc.collect()  # a previous case's model and optimizer (reference cycles) must not be freed mid-test
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     return torch.cuda.memory_allocated(device)
