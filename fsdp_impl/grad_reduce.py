@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from . import comm
 from .buffers import DataParallelBuffer
@@ -215,7 +214,7 @@ class OuterGradReducer:
         """``grad_buffers``: the units' grad buffers (``None`` for frozen-only units), in the
         engine's unit order, identical on every rank."""
         groups = self.groups if isinstance(self.groups, list) else [self.groups] * len(grad_buffers)
-        with record_function("FSDP::hsdp_outer_reduce"):
+        with comm.traced("FSDP::hsdp_outer_reduce"):
             for buf, group in zip(grad_buffers, groups, strict=True):
                 if buf is None or group is None or not buf.data.numel():
                     continue

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.profiler import record_function
 
 from . import comm
 from .buffers import DataParallelBuffer, ParameterGroup
@@ -278,7 +277,7 @@ class FSDPUnit:
         (one more all-gather of the unit; every rank recomputes the same units)."""
         if self.fp8 is None or self.fp8.rowwise_ready():
             return
-        with record_function("FSDP::recompute_fp8_gather"):
+        with comm.traced("FSDP::recompute_fp8_gather"):
             self._finish_gather(self._start_gather(force_fp8=True))
 
     def _start_gather(self, force_fp8: bool = False) -> _Gather:
