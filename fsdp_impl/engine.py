@@ -263,7 +263,7 @@ class FSDPEngine:
     def grad_ready(self, unit: FSDPUnit, param: ManagedParam) -> None:
         """Post-accumulate-grad hook target: stash the grad; reduce when the unit is complete."""
         self._ensure_callback()
-        if unit.accept_grad(param, self.comm_dtype(unit)):
+        if unit.accept_grad(param):
             with traced_phase("post_backward", unit):
                 unit.reduce_grads(self.sync, self.comm_dtype(unit))
                 if unit is not self.root:

@@ -102,6 +102,7 @@ class ShardGroupReduce:
         self.stream = stream
         self.device = device
         self.scaling = scaling
+        self.solo = comm.solo(group)
 
     def reduce(self, full: torch.Tensor, grad: DataParallelBuffer, sync: bool,
                overwrite: bool = False) -> torch.cuda.Event | None:
@@ -111,6 +112,13 @@ class ShardGroupReduce:
         the result is written directly (same values as adding it to zeros) instead of through a
         temporary and an add."""
         fresh = grad.allocate_for_overwrite() or overwrite
+        if self.solo:  # one rank: the reduction is the identity (comm.solo), a local copy or add
+            self.scaling.prepare(full)  # on the compute stream, like the grads it reads: no event
+            if fresh:
+                grad.data.copy_(full)
+            else:
+                grad.data.add_(full)
+            return None
         with self.stream.use():
             self.scaling.prepare(full)
             if self.all_reduce:
