@@ -255,9 +255,10 @@ class FSDPEngine:
     @staticmethod
     def _neighbour(unit: FSDPUnit, order: list[FSDPUnit], step: int) -> FSDPUnit | None:
         """The unit ``step`` places after ``unit`` in ``order`` (None: not there, or past an end)."""
-        if unit not in order:
+        try:
+            j = order.index(unit) + step  # one scan (units compare by identity)
+        except ValueError:  # not in this order
             return None
-        j = order.index(unit) + step
         return order[j] if 0 <= j < len(order) else None
 
     def grad_ready(self, unit: FSDPUnit, param: ManagedParam) -> None:

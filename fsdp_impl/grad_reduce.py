@@ -139,6 +139,22 @@ class ShardGroupReduce:
         self.stream.keep_alive(full)
         return self.stream.record()
 
+    def direct_target(self, grad: DataParallelBuffer, dtype: torch.dtype, overwrite: bool) -> torch.Tensor | None:
+        """Where the unit may pack its grads as the finished result, or None. On one rank the
+        reduce-scatter is the identity, so when the result would overwrite the grad buffer
+        (freed, or holding only zeros: ``overwrite``) in its own dtype, the grads are packed
+        straight into it and pre-scaled there (``finish_direct``): the same values as packing into
+        a temporary, scaling it and copying it over, without the temporary and the copy."""
+        if not self.solo or self.all_reduce or dtype != grad.dtype:
+            return None
+        if not (grad.allocate_for_overwrite() or overwrite):
+            return None
+        return grad.data
+
+    def finish_direct(self, packed: torch.Tensor) -> None:
+        """The pre-scale of grads packed into ``direct_target`` (on the compute stream)."""
+        self.scaling.prepare(packed)
+
     def clear(self) -> None:
         """Nothing is held between backwards."""
 
@@ -187,6 +203,13 @@ class TwoLevelReduceScatter:
                 self._inner_accum = None
         self.stream.keep_alive(full)
         return self.stream.record()
+
+    def direct_target(self, grad: DataParallelBuffer, dtype: torch.dtype, overwrite: bool) -> torch.Tensor | None:
+        """Never: the inner level accumulates across backwards (``ShardGroupReduce.direct_target``)."""
+        return None
+
+    def finish_direct(self, packed: torch.Tensor) -> None:
+        raise RuntimeError("TwoLevelReduceScatter has no direct target")
 
     def clear(self) -> None:
         """Drop the accumulated, unsynced grads (``zero_grad``)."""

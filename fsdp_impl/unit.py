@@ -491,14 +491,22 @@ class FSDPUnit:
         done, self.state = self.state == TrainingState.POST_BACKWARD, TrainingState.POST_BACKWARD
         if done or self.grad is None:
             return
+        overwrite = False
         with self.ctx.comm_allocation():
             if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
-                full = self._staging().take_pending(comm_dtype)  # zeros if no grad arrived: still join
+                overwrite = self.grad.take_zeroed(self._capture_token())
+                direct = self.reducer.direct_target(self.grad, comm_dtype, overwrite)
+                full = self._staging().take_pending(comm_dtype, out=direct)  # zeros if no grad arrived
+                if direct is not None:  # one rank: packed straight into the grad buffer
+                    self.reducer.finish_direct(direct)
+                    self.reduce_event = None
+                    return
             elif sync:
                 full = self._staging().take_accumulated(comm_dtype)
             else:
                 return
-        overwrite = self.grad.take_zeroed(self._capture_token())
+        if self.ctx.strategy < ShardingStrategy.OPTIM_GRADS:
+            overwrite = self.grad.take_zeroed(self._capture_token())
         self.reduce_event = self.reducer.reduce(full, self.grad, sync, overwrite)
 
     def _capture_token(self) -> object | None:
