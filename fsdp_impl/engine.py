@@ -6,6 +6,7 @@ whether the end-of-backward callback is queued.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,14 @@ def phase_label(phase: str, unit: FSDPUnit) -> str:
     which unit each gather, reduction and wait belongs to (``bench.trace_summary`` groups the
     phases without the unit)."""
     return f"FSDP::{phase} ({unit.name})"
+
+
+def traced_phase(phase: str, unit: FSDPUnit) -> contextlib.AbstractContextManager[object]:
+    """``record_function(phase_label(...))`` only while a profiler records (``comm.traced``):
+    the label string is not even built otherwise."""
+    if torch._C._autograd._profiler_enabled():
+        return record_function(phase_label(phase, unit))
+    return contextlib.nullcontext()
 
 
 class FSDPEngine:
@@ -87,7 +96,7 @@ class FSDPEngine:
         self._stale = dict(zip(self.units, changed, strict=True))
 
     def pre_forward(self, unit: FSDPUnit) -> None:
-        with record_function(phase_label("pre_forward", unit)):
+        with traced_phase("pre_forward", unit):
             self._pre_forward(unit)
 
     def in_recompute(self) -> bool:
@@ -145,7 +154,7 @@ class FSDPEngine:
                 "forward, where its params are sharded DTensors; call it from the unit's forward, or make it "
                 "a unit of its own (add its class to fsdp_unit_modules)")
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and not unit.is_unsharded:
-            with record_function(phase_label("pre_forward", unit)):
+            with traced_phase("pre_forward", unit):
                 unit.unshard()
                 self._prefetch_after(unit, self._prev_order, +1)
             unit.swap_in()
@@ -158,7 +167,7 @@ class FSDPEngine:
         until the unit's post-backward. The forward order, prefetch and refresh are left alone."""
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
             if not unit.is_unsharded:
-                with record_function(phase_label("recompute_unshard", unit)):
+                with traced_phase("recompute_unshard", unit):
                     unit.unshard(GatherPhase.RECOMPUTE)
             unit.regather_fp8_rowwise()
         unit.swap_in()
@@ -180,7 +189,7 @@ class FSDPEngine:
 
     def post_forward(self, unit: FSDPUnit, output: Any) -> None:
         """Swap the DTensor params back; ZeRO-3 frees non-root units until their backward."""
-        with record_function(phase_label("post_forward", unit)):
+        with traced_phase("post_forward", unit):
             self._post_forward(unit, output)
 
     def _post_forward(self, unit: FSDPUnit, output: Any) -> None:
@@ -221,7 +230,7 @@ class FSDPEngine:
         if unit.state != TrainingState.POST_BACKWARD:
             unit.state = TrainingState.PRE_BACKWARD
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
-            with record_function(phase_label("pre_backward", unit)):
+            with traced_phase("pre_backward", unit):
                 unit.storage.on_pre_backward()
                 unit.unshard(GatherPhase.BACKWARD)
                 self._prefetch_after(unit, self._order, -1)
@@ -246,16 +255,17 @@ class FSDPEngine:
     @staticmethod
     def _neighbour(unit: FSDPUnit, order: list[FSDPUnit], step: int) -> FSDPUnit | None:
         """The unit ``step`` places after ``unit`` in ``order`` (None: not there, or past an end)."""
-        if unit not in order:
+        try:
+            j = order.index(unit) + step  # one scan (units compare by identity)
+        except ValueError:  # not in this order
             return None
-        j = order.index(unit) + step
         return order[j] if 0 <= j < len(order) else None
 
     def grad_ready(self, unit: FSDPUnit, param: ManagedParam) -> None:
         """Post-accumulate-grad hook target: stash the grad; reduce when the unit is complete."""
         self._ensure_callback()
-        if unit.accept_grad(param, self.comm_dtype(unit)):
-            with record_function(phase_label("post_backward", unit)):
+        if unit.accept_grad(param):
+            with traced_phase("post_backward", unit):
                 unit.reduce_grads(self.sync, self.comm_dtype(unit))
                 if unit is not self.root:
                     unit.reshard()
@@ -263,7 +273,7 @@ class FSDPEngine:
 
     def finish_backward(self) -> None:
         """End of backward: reduce units whose grads never all arrived, reshard, install grads."""
-        with record_function("FSDP::finish_backward"):
+        with comm.traced("FSDP::finish_backward"):
             self._finish_backward()
 
     def _finish_backward(self) -> None:

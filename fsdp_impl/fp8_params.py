@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.profiler import record_function
 
 from . import comm
 from .buffers import DataParallelBuffer
@@ -331,7 +330,7 @@ class ModelFp8:
             if len(self._plans) >= 8:  # ZeRO-1/2 may requantise changing subsets
                 self._plans.clear()
             cached = self._plans[key] = (lists, [PLAN[kind](items) for kind, items in by_kind.items()])
-        with record_function("FSDP::fp8_requantize"), torch.no_grad():
+        with comm.traced("FSDP::fp8_requantize"), torch.no_grad():
             for plan in cached[1]:
                 plan(self.group)
 
@@ -339,7 +338,7 @@ class ModelFp8:
         """Delayed scaling: one MAX all-reduce of every pending amax, then advance all histories."""
         if not self.delayed:
             return
-        with record_function("FSDP::fp8_amax_reduce"), torch.no_grad():
+        with comm.traced("FSDP::fp8_amax_reduce"), torch.no_grad():
             packed = pack_pending(self.delayed)
             comm.all_reduce_max(packed, self.amax_group)
             advance_all(self.delayed, packed)

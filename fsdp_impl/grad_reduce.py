@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from . import comm
 from .buffers import DataParallelBuffer
@@ -103,6 +102,7 @@ class ShardGroupReduce:
         self.stream = stream
         self.device = device
         self.scaling = scaling
+        self.solo = comm.solo(group)
 
     def reduce(self, full: torch.Tensor, grad: DataParallelBuffer, sync: bool,
                overwrite: bool = False) -> torch.cuda.Event | None:
@@ -112,6 +112,13 @@ class ShardGroupReduce:
         the result is written directly (same values as adding it to zeros) instead of through a
         temporary and an add."""
         fresh = grad.allocate_for_overwrite() or overwrite
+        if self.solo:  # one rank: the reduction is the identity (comm.solo), a local copy or add
+            self.scaling.prepare(full)  # on the compute stream, like the grads it reads: no event
+            if fresh:
+                grad.data.copy_(full)
+            else:
+                grad.data.add_(full)
+            return None
         with self.stream.use():
             self.scaling.prepare(full)
             if self.all_reduce:
@@ -131,6 +138,22 @@ class ShardGroupReduce:
                     grad.data.add_(out)
         self.stream.keep_alive(full)
         return self.stream.record()
+
+    def direct_target(self, grad: DataParallelBuffer, dtype: torch.dtype, overwrite: bool) -> torch.Tensor | None:
+        """Where the unit may pack its grads as the finished result, or None. On one rank the
+        reduce-scatter is the identity, so when the result would overwrite the grad buffer
+        (freed, or holding only zeros: ``overwrite``) in its own dtype, the grads are packed
+        straight into it and pre-scaled there (``finish_direct``): the same values as packing into
+        a temporary, scaling it and copying it over, without the temporary and the copy."""
+        if not self.solo or self.all_reduce or dtype != grad.dtype:
+            return None
+        if not (grad.allocate_for_overwrite() or overwrite):
+            return None
+        return grad.data
+
+    def finish_direct(self, packed: torch.Tensor) -> None:
+        """The pre-scale of grads packed into ``direct_target`` (on the compute stream)."""
+        self.scaling.prepare(packed)
 
     def clear(self) -> None:
         """Nothing is held between backwards."""
@@ -181,6 +204,13 @@ class TwoLevelReduceScatter:
         self.stream.keep_alive(full)
         return self.stream.record()
 
+    def direct_target(self, grad: DataParallelBuffer, dtype: torch.dtype, overwrite: bool) -> torch.Tensor | None:
+        """Never: the inner level accumulates across backwards (``ShardGroupReduce.direct_target``)."""
+        return None
+
+    def finish_direct(self, packed: torch.Tensor) -> None:
+        raise RuntimeError("TwoLevelReduceScatter has no direct target")
+
     def clear(self) -> None:
         """Drop the accumulated, unsynced grads (``zero_grad``)."""
         self._inner_accum = None
@@ -215,7 +245,7 @@ class OuterGradReducer:
         """``grad_buffers``: the units' grad buffers (``None`` for frozen-only units), in the
         engine's unit order, identical on every rank."""
         groups = self.groups if isinstance(self.groups, list) else [self.groups] * len(grad_buffers)
-        with record_function("FSDP::hsdp_outer_reduce"):
+        with comm.traced("FSDP::hsdp_outer_reduce"):
             for buf, group in zip(grad_buffers, groups, strict=True):
                 if buf is None or group is None or not buf.data.numel():
                     continue

@@ -47,11 +47,14 @@ class GradStaging:
         """Keep this backward's grad of layout slot ``slot`` (a full, TP-local tensor)."""
         self._stash[slot] = grad
 
-    def take_pending(self, dtype: torch.dtype) -> torch.Tensor:
+    def take_pending(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """This backward's stashed grads packed into one buffer in ``dtype`` (zeros where no grad
-        arrived, so every rank still joins the reduction); the stash is emptied."""
+        arrived, so every rank still joins the reduction); the stash is emptied. ``out``: pack
+        into it (``numel`` elements of ``dtype``) instead of a buffer of the staging's own."""
         grads, self._stash = self._stash, [None] * len(self._stash)
-        if self.persistent:
+        if out is not None:
+            pass
+        elif self.persistent:
             if self._pending is None or self._pending.dtype != dtype:
                 self._pending = torch.empty(self.numel, dtype=dtype, device=self.device)
             out = self._pending
@@ -61,10 +64,15 @@ class GradStaging:
         if not arrived:
             return out.zero_()
         src = arrived[0].dtype
-        if any(g.dtype != src for g in arrived):  # one op needs one input dtype
+        mixed = any(g.dtype != src for g in arrived)
+        if mixed:  # one op needs one input dtype
             src = dtype
-        fulls = [g.to(src) if g is not None else torch.zeros(slot.shape, dtype=src, device=self.device)
-                 for g, slot in zip(grads, self.layout.slots, strict=True)]
+        fulls: list[torch.Tensor]
+        if not mixed and len(arrived) == len(grads):  # the usual case: nothing to cast or fill
+            fulls = arrived
+        else:
+            fulls = [g.to(src) if g is not None else torch.zeros(slot.shape, dtype=src, device=self.device)
+                     for g, slot in zip(grads, self.layout.slots, strict=True)]
         self.layout.pack_all(out, fulls, fused=not self.persistent)  # see FlatLayout.pack_all
         return out
 

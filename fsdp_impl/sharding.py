@@ -145,12 +145,15 @@ class FlatLayout:
                 out.append((i, row, slot.offset, start, max(0, min(slot.padded_numel, numel - start))))
         return out
 
-    def unpack_all(self, src: torch.Tensor, fulls: Sequence[torch.Tensor], fused: bool = True) -> None:
+    def unpack_all(self, src: torch.Tensor, fulls: Sequence[torch.Tensor], fused: bool = True,
+                   plan: UnpackPlan | None = None) -> None:
         """Copy every parameter out of a gathered buffer ``src`` ([num_shards, segment]).
 
         ``fused``: one ``split_with_sizes_copy`` (one kernel on CUDA; a parameter whose rows do
         not split evenly has no [num_shards, padded] view, so it lands in a temporary first).
-        ``fused=False`` (CUDA-graph mode, see ``pack_all``): ``_foreach_copy_`` over the pieces."""
+        ``plan``: ``unpack_plan(fulls)`` made earlier for these very tensors (a unit keeps it, so
+        the views are not rebuilt every gather). ``fused=False`` (CUDA-graph mode, see
+        ``pack_all``): ``_foreach_copy_`` over the pieces."""
         n = self.num_shards
         segments = src.view(n, self.segment_numel)
         if not fused:
@@ -159,20 +162,40 @@ class FlatLayout:
             _copy_lists([views[i].narrow(0, start, length) for i, _, _, start, length in pieces],
                         [segments[row].narrow(0, col, length) for _, row, col, _, length in pieces])
             return
+        plan = self.unpack_plan(fulls) if plan is None else plan
+        if plan.dense is not None:
+            torch.split_with_sizes_copy(segments, self.split_sizes, dim=1, out=plan.dense)
+            return
         outs: list[torch.Tensor] = []
         uneven: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for slot, full in zip(self.slots, fulls, strict=True):
-            even = slot.padded_numel * n == full.numel()
-            if even and full.is_contiguous():
-                outs.append(full.view(n, slot.padded_numel))
-            else:
-                tmp = torch.empty(n, slot.padded_numel, dtype=src.dtype, device=src.device)
-                outs.append(tmp)
-                uneven.append((tmp, full))
-        if fused:
-            torch.split_with_sizes_copy(segments, self.split_sizes, dim=1, out=outs)
+        for view, slot, full in zip(plan.outs, self.slots, fulls, strict=True):
+            if view is None:
+                view = torch.empty(n, slot.padded_numel, dtype=src.dtype, device=src.device)
+                uneven.append((view, full))
+            outs.append(view)
+        torch.split_with_sizes_copy(segments, self.split_sizes, dim=1, out=outs)
         for tmp, full in uneven:
             full.view(-1).copy_(tmp.view(-1)[: full.numel()])
+
+    def unpack_plan(self, fulls: Sequence[torch.Tensor]) -> UnpackPlan:
+        """Per slot the ``[num_shards, padded]`` view of its full tensor that ``unpack_all``
+        copies into, or None where there is none (rows not a multiple of the shards, or not
+        contiguous: a temporary then). The views stay valid while the tensors keep their storage
+        object, also across ``untyped_storage().resize_`` (a view reads the storage's address)."""
+        outs: list[torch.Tensor | None] = []
+        for slot, full in zip(self.slots, fulls, strict=True):
+            even = slot.padded_numel * self.num_shards == full.numel()
+            outs.append(full.view(self.num_shards, slot.padded_numel) if even and full.is_contiguous() else None)
+        dense = [o for o in outs if o is not None]
+        return UnpackPlan(outs, dense if len(dense) == len(outs) else None)
+
+
+@dataclass
+class UnpackPlan:
+    """Where ``FlatLayout.unpack_all`` writes each parameter (see ``FlatLayout.unpack_plan``)."""
+
+    outs: list[torch.Tensor | None]
+    dense: list[torch.Tensor] | None  # every view, when each parameter has one (no temporaries)
 
 
 def _copy_lists(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

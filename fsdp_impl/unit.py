@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.profiler import record_function
 
 from . import comm
 from .buffers import DataParallelBuffer, ParameterGroup
@@ -28,7 +27,7 @@ from .offload import OffloadPolicy, UnitOffload
 from .param import ManagedParam
 from .placement import PlacementPlan, local_tensor
 from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
-from .sharding import FlatLayout, shard_row_range
+from .sharding import FlatLayout, UnpackPlan, shard_row_range
 from .unshard_storage import (
     GatherPhase,
     UnitStorage,
@@ -44,15 +43,16 @@ if TYPE_CHECKING:
     from .nccl_ub import UserBuffers
 
 
-def _preserve_versions(params: list[ManagedParam]) -> torch.autograd._unsafe_preserve_version_counter:
+def _versioned(params: list[ManagedParam]) -> tuple[torch.Tensor, ...]:
     """Writes into the compute storage must not bump the version counters autograd checks (each
-    compute param's and, for a TP DTensor, its local tensor's): one context for all params."""
+    compute param's and, for a TP DTensor, its local tensor's): every one of them, for one
+    ``_unsafe_preserve_version_counter`` around the copy."""
     tensors: list[torch.Tensor] = []
     for p in params:
         tensors.append(p.unsharded)
         if p.compute_local() is not p.unsharded:
             tensors.append(p.compute_local())
-    return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
+    return tuple(tensors)
 
 
 class TrainingState(enum.Enum):
@@ -71,6 +71,22 @@ class _Gather:
     gathered: torch.Tensor
     event: torch.cuda.Event | None
     version: int
+
+
+# One location of a param for a swap: its module's parameter dict, the name, the tensor to store.
+_Swap = tuple[dict[str, nn.Parameter | None], str, nn.Parameter]
+
+
+@dataclass
+class _CopyTargets:
+    """What a copy of gathered values into ``params``' compute tensors needs, made once per unit
+    (params and their compute tensor objects are fixed once sharded; see ``_copy_targets``)."""
+
+    params: list[ManagedParam]
+    layout: FlatLayout
+    versioned: tuple[torch.Tensor, ...]  # whose version counters the copy must not bump
+    tensors: list[torch.Tensor]  # the compute tensors, in ``layout`` slot order
+    plan: UnpackPlan
 
 
 @dataclass
@@ -173,6 +189,11 @@ class FSDPUnit:
         self.is_unsharded = False  # the compute params hold valid values (ZeRO-3: gathered)
         self.synced_version = -1  # weight-buffer version the compute params were built from
         self._grad_cache: list[torch.Tensor | None] = [None] * len(self.trainable)
+        self._targets: _CopyTargets | None = None  # see _copy_targets
+        # (module param dict, name, tensor) per param location for swap_in / swap_out, built at
+        # the first swap after sharding: a swap is then one dict store per location
+        self._swaps: tuple[list[_Swap], list[_Swap]] | None = None
+        self._solo_gather = comm.solo(ctx.gather_group or ctx.group)  # one-rank gathers are local copies
         self.fp8: UnitFp8 | None = None  # FP8 params: gathered as FP8 bytes (fp8_params.py)
         if self.offload is not None:
             self.offload.attach(self)
@@ -267,9 +288,7 @@ class FSDPUnit:
             self._finish_gather(gather if gather is not None else self._start_gather())
             return
         local = self._gather_input().to(self.dtypes.compute)
-        with torch.no_grad(), _preserve_versions(self.params):
-            self.weight.layout.unpack_all(local, [p.compute_local() for p in self.params],
-                                          fused=not self.ctx.graph_mode)
+        self._copy_out(local, self.weight.layout, self.params)
         self.synced_version = self.version_signature()
 
     def regather_fp8_rowwise(self) -> None:
@@ -278,13 +297,18 @@ class FSDPUnit:
         (one more all-gather of the unit; every rank recomputes the same units)."""
         if self.fp8 is None or self.fp8.rowwise_ready():
             return
-        with record_function("FSDP::recompute_fp8_gather"):
+        with comm.traced("FSDP::recompute_fp8_gather"):
             self._finish_gather(self._start_gather(force_fp8=True))
 
     def _start_gather(self, force_fp8: bool = False) -> _Gather:
         """One all-gather of the unit's shards, cast to the compute dtype, on the gather stream."""
         stream = self.ctx.streams.gather
         version = self.version_signature() if self.tracks_versions else self.synced_version
+        if self._solo_gather and self.fp8 is None and self.offload is None:
+            # one rank: the gather is a cast copy of the shard, so it runs on the compute stream
+            # (no side-stream switch, event or record_stream: host time, not overlap, is saved)
+            with self.ctx.comm_allocation():
+                return _Gather(self.weight.data.to(self.dtypes.compute, copy=True), None, version)
         with stream.use(), self.ctx.comm_allocation():
             if self.fp8 is not None:  # FP8 params travel as FP8 bytes
                 gathered = self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group, force_fp8)
@@ -334,9 +358,26 @@ class FSDPUnit:
             if self.fp8 is not None:  # fills the FP8 params; the others are copied out below
                 gathered, layout, params = self.fp8.unpack(gather.gathered)
             if params:
-                with _preserve_versions(params):
-                    layout.unpack_all(gathered, [p.compute_local() for p in params], fused=not self.ctx.graph_mode)
+                self._copy_out(gathered, layout, params)
         self.synced_version = gather.version
+
+    def _copy_out(self, gathered: torch.Tensor, layout: FlatLayout, params: list[ManagedParam]) -> None:
+        """Copy ``params`` out of ``gathered`` (laid out by ``layout``) into their compute tensors."""
+        t = self._copy_targets(params, layout)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t.versioned):
+            layout.unpack_all(gathered, t.tensors, fused=not self.ctx.graph_mode, plan=t.plan)
+
+    def _copy_targets(self, params: list[ManagedParam], layout: FlatLayout) -> _CopyTargets:
+        """The compute tensors of ``params`` with their unpack views, built on first use and kept:
+        rebuilding the lists and views every gather was per-param host work on every unshard.
+        ``params`` is always the same list object (all params, or the FP8 unit's others), and
+        the pool, the only thing that moves compute tensors to other storage, drops this cache
+        when it takes them (``attach_unshard_pool``)."""
+        t = self._targets
+        if t is None or t.params is not params or t.layout is not layout:
+            tensors = [p.compute_local() for p in params]
+            t = self._targets = _CopyTargets(params, layout, _versioned(params), tensors, layout.unpack_plan(tensors))
+        return t
 
     def prefetch_refresh(self) -> None:
         """ZeRO-1/2: start the all-gather the next ``refresh`` finishes, so it overlaps the
@@ -378,8 +419,19 @@ class FSDPUnit:
             self.fp8.release(after_backward=self.state == TrainingState.POST_BACKWARD)
 
     def swap_in(self) -> None:
-        for p in self.params:
-            p.set_on_module(p.unsharded)
+        """Register the compute params on their modules (for the unit's forward / backward)."""
+        for params, name, tensor in self._swap_lists()[0]:
+            params[name] = tensor
+
+    def _swap_lists(self) -> tuple[list[_Swap], list[_Swap]]:
+        """Per location of every param (tied weights: several) the module's parameter dict, the
+        name and the compute / sharded param: what ``ManagedParam.set_on_module`` stores, flattened
+        once (both forms exist from the wrap on and are never replaced)."""
+        if self._swaps is None:
+            locations = [(module._parameters, name, p) for p in self.params for module, name in p.locations]
+            self._swaps = ([(d, name, p.unsharded) for d, name, p in locations],
+                           [(d, name, p.sharded) for d, name, p in locations])
+        return self._swaps
 
     def param_modules(self) -> list[nn.Module]:
         """The modules that hold this unit's params (each once, in param order)."""
@@ -402,11 +454,12 @@ class FSDPUnit:
         return []
 
     def swap_out(self) -> None:
-        for p in self.params:
-            p.set_on_module(p.sharded)
+        """Register the sharded DTensor params again (outside the unit's compute)."""
+        for params, name, tensor in self._swap_lists()[1]:
+            params[name] = tensor
 
     # --------------------------------------------------------------------- grads
-    def accept_grad(self, p: ManagedParam, comm_dtype: torch.dtype) -> bool:
+    def accept_grad(self, p: ManagedParam) -> bool:
         """Hand ``p``'s fresh grad to the unit's staging (ZeRO-2/3) or accumulator (ZeRO-0/1).
 
         Returns True when it was the unit's last expected grad of this backward.
@@ -438,14 +491,22 @@ class FSDPUnit:
         done, self.state = self.state == TrainingState.POST_BACKWARD, TrainingState.POST_BACKWARD
         if done or self.grad is None:
             return
+        overwrite = False
         with self.ctx.comm_allocation():
             if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
-                full = self._staging().take_pending(comm_dtype)  # zeros if no grad arrived: still join
+                overwrite = self.grad.take_zeroed(self._capture_token())
+                direct = self.reducer.direct_target(self.grad, comm_dtype, overwrite)
+                full = self._staging().take_pending(comm_dtype, out=direct)  # zeros if no grad arrived
+                if direct is not None:  # one rank: packed straight into the grad buffer
+                    self.reducer.finish_direct(direct)
+                    self.reduce_event = None
+                    return
             elif sync:
                 full = self._staging().take_accumulated(comm_dtype)
             else:
                 return
-        overwrite = self.grad.take_zeroed(self._capture_token())
+        if self.ctx.strategy < ShardingStrategy.OPTIM_GRADS:
+            overwrite = self.grad.take_zeroed(self._capture_token())
         self.reduce_event = self.reducer.reduce(full, self.grad, sync, overwrite)
 
     def _capture_token(self) -> object | None:
@@ -541,4 +602,5 @@ def attach_unshard_pool(units: list[FSDPUnit], ctx: UnitContext) -> UnshardPool 
     pool, storages = build_pool([u.compute_tensors() for u in pooled], ctx.unshard.slots, ctx.device)
     for unit, storage in zip(pooled, storages, strict=True):
         unit.storage = storage
+        unit._targets = None  # its compute tensors now view the pool: rebuild the unpack views
     return pool

@@ -161,11 +161,12 @@ class ResizeStorage:
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.tensors = list(tensors)
+        # Each tensor's storage object and full byte size, looked up once (every unshard and
+        # reshard touches all of them); the tensors keep their storage objects for life.
+        self._storages = [(t.untyped_storage(), t.numel() * t.element_size()) for t in self.tensors]
 
     def on_gather_start(self) -> None:
-        for t in self.tensors:
-            storage = t.untyped_storage()
-            need = t.numel() * t.element_size()
+        for storage, need in self._storages:
             if storage.size() != need:
                 storage.resize_(need)
 
@@ -173,8 +174,8 @@ class ResizeStorage:
         """The storage was allocated when the gather started."""
 
     def on_reshard(self, user: SlotUser) -> None:
-        for t in self.tensors:
-            t.untyped_storage().resize_(0)
+        for storage, _ in self._storages:
+            storage.resize_(0)
 
     def on_pre_backward(self) -> None:
         """Nothing is shared."""
