@@ -9,7 +9,9 @@ and one ``main`` shape: initialise the process group, run, and tear it down what
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from bench import runtime
 from bench.runtime import Env
@@ -56,6 +58,18 @@ def add_step_flags(p: argparse.ArgumentParser, steps: int = 8, warmup: int = 3, 
     p.add_argument("--warmup", type=positive, default=warmup, help="untimed steps before timing")
     if micro_batch:
         p.add_argument("--micro-batch", type=positive, default=4)
+
+
+def add_driver_flags(p: argparse.ArgumentParser, out: str, what: str, cell_timeout_s: float, killed_as: str) -> None:
+    """The output and time flags of a driver that starts ``what`` (cells, probes) as children:
+    ``--out`` JSON lines, ``--md``, ``--time-budget-s`` and ``--cell-timeout-s`` (a child still
+    running then is killed and recorded as ``killed_as``)."""
+    p.add_argument("--out", type=Path, default=Path(out), help="JSON lines (overwritten)")
+    p.add_argument("--md", type=Path, default=None, help="also write the markdown here")
+    p.add_argument("--time-budget-s", type=float, default=math.inf,
+                   help=f"start no {what} that would end later than this many seconds after start-up")
+    p.add_argument("--cell-timeout-s", type=float, default=cell_timeout_s,
+                   help=f"a {what} still running after this long is killed and recorded as {killed_as}")
 
 
 def forward(args: argparse.Namespace, names: Sequence[str]) -> list[str]:

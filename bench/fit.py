@@ -62,12 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "at most this far apart (1: the exact limit)")
     cli.add_step_flags(p, steps=2, warmup=1, micro_batch=False)
     cli.add_run_flags(p)
-    p.add_argument("--out", type=Path, default=Path("fit.jsonl"), help="JSON lines (overwritten)")
-    p.add_argument("--md", type=Path, default=None, help="also write the markdown here")
-    p.add_argument("--time-budget-s", type=float, default=math.inf,
-                   help="start no probe that would end later than this many seconds after start-up")
-    p.add_argument("--cell-timeout-s", type=float, default=600.0,
-                   help="a probe still running after this long is killed and recorded as a timeout")
+    cli.add_driver_flags(p, "fit.jsonl", "probe", 600.0, "a timeout")
     args = p.parse_args(argv)
     if args.start > args.max:
         p.error(f"--start {args.start} is above --max {args.max}")

@@ -49,12 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cli.add_run_flags(p)
     p.add_argument("--nproc-per-node", type=cli.positive, default=None, metavar="N",
                    help="ranks per cell (a torchrun of N per cell); default: torchrun's world, else 1")
-    p.add_argument("--out", type=Path, default=Path("suite.jsonl"), help="JSON lines (overwritten)")
-    p.add_argument("--md", type=Path, default=None, help="also write the markdown table here")
-    p.add_argument("--time-budget-s", type=float, default=math.inf,
-                   help="start no cell that would end later than this many seconds after start-up")
-    p.add_argument("--cell-timeout-s", type=float, default=1200.0,
-                   help="a cell still running after this long is killed and recorded as an error")
+    cli.add_driver_flags(p, "suite.jsonl", "cell", 1200.0, "an error")
     p.add_argument("--trace-impls", type=cli.csv_list(list(impls.IMPLS)), default=[],
                    help="after the cells, profile these impls (bench.trace), each in its own process")
     p.add_argument("--trace-size", choices=list(impls.SIZES), default="1.3b")
