@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import comm
 from .buffers import DataParallelBuffer, ParameterGroup
+from .copy_out import ComputeCopy
 from .decoupled import grad_attr_name
 from .device import CommStreams, is_capturing
 from .grad_reduce import GradScaling, TwoLevelGroups, UnitGradReduce, unit_grad_reduce
@@ -27,7 +28,7 @@ from .offload import OffloadPolicy, UnitOffload
 from .param import ManagedParam
 from .placement import PlacementPlan, local_tensor
 from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
-from .sharding import FlatLayout, UnpackPlan, shard_row_range
+from .sharding import FlatLayout, shard_row_range
 from .unshard_storage import (
     GatherPhase,
     UnitStorage,
@@ -41,18 +42,6 @@ from .unshard_storage import (
 if TYPE_CHECKING:
     from .fp8_params import UnitFp8
     from .nccl_ub import UserBuffers
-
-
-def _versioned(params: list[ManagedParam]) -> tuple[torch.Tensor, ...]:
-    """Writes into the compute storage must not bump the version counters autograd checks (each
-    compute param's and, for a TP DTensor, its local tensor's): every one of them, for one
-    ``_unsafe_preserve_version_counter`` around the copy."""
-    tensors: list[torch.Tensor] = []
-    for p in params:
-        tensors.append(p.unsharded)
-        if p.compute_local() is not p.unsharded:
-            tensors.append(p.compute_local())
-    return tuple(tensors)
 
 
 class TrainingState(enum.Enum):
@@ -75,18 +64,6 @@ class _Gather:
 
 # One location of a param for a swap: its module's parameter dict, the name, the tensor to store.
 _Swap = tuple[dict[str, nn.Parameter | None], str, nn.Parameter]
-
-
-@dataclass
-class _CopyTargets:
-    """What a copy of gathered values into ``params``' compute tensors needs, made once per unit
-    (params and their compute tensor objects are fixed once sharded; see ``_copy_targets``)."""
-
-    params: list[ManagedParam]
-    layout: FlatLayout
-    versioned: tuple[torch.Tensor, ...]  # whose version counters the copy must not bump
-    tensors: list[torch.Tensor]  # the compute tensors, in ``layout`` slot order
-    plan: UnpackPlan
 
 
 @dataclass
@@ -189,7 +166,7 @@ class FSDPUnit:
         self.is_unsharded = False  # the compute params hold valid values (ZeRO-3: gathered)
         self.synced_version = -1  # weight-buffer version the compute params were built from
         self._grad_cache: list[torch.Tensor | None] = [None] * len(self.trainable)
-        self._targets: _CopyTargets | None = None  # see _copy_targets
+        self._copy_out = ComputeCopy()  # gathered values -> compute params, targets kept
         # (module param dict, name, tensor) per param location for swap_in / swap_out, built at
         # the first swap after sharding: a swap is then one dict store per location
         self._swaps: tuple[list[_Swap], list[_Swap]] | None = None
@@ -288,7 +265,7 @@ class FSDPUnit:
             self._finish_gather(gather if gather is not None else self._start_gather())
             return
         local = self._gather_input().to(self.dtypes.compute)
-        self._copy_out(local, self.weight.layout, self.params)
+        self._copy_out(local, self.weight.layout, self.params, fused=not self.ctx.graph_mode)
         self.synced_version = self.version_signature()
 
     def regather_fp8_rowwise(self) -> None:
@@ -358,26 +335,8 @@ class FSDPUnit:
             if self.fp8 is not None:  # fills the FP8 params; the others are copied out below
                 gathered, layout, params = self.fp8.unpack(gather.gathered)
             if params:
-                self._copy_out(gathered, layout, params)
+                self._copy_out(gathered, layout, params, fused=not self.ctx.graph_mode)
         self.synced_version = gather.version
-
-    def _copy_out(self, gathered: torch.Tensor, layout: FlatLayout, params: list[ManagedParam]) -> None:
-        """Copy ``params`` out of ``gathered`` (laid out by ``layout``) into their compute tensors."""
-        t = self._copy_targets(params, layout)
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t.versioned):
-            layout.unpack_all(gathered, t.tensors, fused=not self.ctx.graph_mode, plan=t.plan)
-
-    def _copy_targets(self, params: list[ManagedParam], layout: FlatLayout) -> _CopyTargets:
-        """The compute tensors of ``params`` with their unpack views, built on first use and kept:
-        rebuilding the lists and views every gather was per-param host work on every unshard.
-        ``params`` is always the same list object (all params, or the FP8 unit's others), and
-        the pool, the only thing that moves compute tensors to other storage, drops this cache
-        when it takes them (``attach_unshard_pool``)."""
-        t = self._targets
-        if t is None or t.params is not params or t.layout is not layout:
-            tensors = [p.compute_local() for p in params]
-            t = self._targets = _CopyTargets(params, layout, _versioned(params), tensors, layout.unpack_plan(tensors))
-        return t
 
     def prefetch_refresh(self) -> None:
         """ZeRO-1/2: start the all-gather the next ``refresh`` finishes, so it overlaps the
@@ -602,5 +561,5 @@ def attach_unshard_pool(units: list[FSDPUnit], ctx: UnitContext) -> UnshardPool 
     pool, storages = build_pool([u.compute_tensors() for u in pooled], ctx.unshard.slots, ctx.device)
     for unit, storage in zip(pooled, storages, strict=True):
         unit.storage = storage
-        unit._targets = None  # its compute tensors now view the pool: rebuild the unpack views
+        unit._copy_out.forget()  # its compute tensors now view the pool
     return pool
