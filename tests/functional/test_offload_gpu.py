@@ -150,6 +150,7 @@ def _host_cached_bytes() -> int:
     raise AssertionError(f"torch.cuda.host_memory_stats() has no allocated-bytes key: {sorted(stats)}")
 
 
+@pytest.mark.matrix(mesh=axes.mesh(1), zero="optim_grads_params", dtype="bf16", model="mlp", offload="gpu")
 @pytest.mark.parametrize("numel,dtype", [(201_326_592 + 5, torch.float32),
                                          (PIN_IN_PLACE_MIN_BYTES // 2, torch.bfloat16)])
 def test_pinned_zeros_are_exact_page_locked_and_copy_asynchronously(numel: int, dtype: torch.dtype,
