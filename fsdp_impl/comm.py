@@ -11,13 +11,16 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 
-def traced(label: str) -> contextlib.AbstractContextManager[object]:
-    """``record_function(label)`` while a profiler records, else nothing: entering a
-    ``record_function`` is a dispatcher call even when nobody listens (tens of microseconds of
+def profiling() -> bool:
+    """Whether a profiler records now: only then are ``FSDP::`` labels entered, because entering
+    a ``record_function`` is a dispatcher call even when nobody listens (tens of microseconds of
     host time per use on a busy GPU host, and the engine enters several per unit per step)."""
-    if torch._C._autograd._profiler_enabled():
-        return record_function(label)
-    return contextlib.nullcontext()
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+def traced(label: str) -> contextlib.AbstractContextManager[object]:
+    """``record_function(label)`` while a profiler records (``profiling``), else nothing."""
+    return record_function(label) if profiling() else contextlib.nullcontext()
 
 
 def solo(group: dist.ProcessGroup | None) -> bool:

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 from torch.autograd.graph import increment_version
-from torch.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from . import comm
@@ -36,11 +35,8 @@ def phase_label(phase: str, unit: FSDPUnit) -> str:
 
 
 def traced_phase(phase: str, unit: FSDPUnit) -> contextlib.AbstractContextManager[object]:
-    """``record_function(phase_label(...))`` only while a profiler records (``comm.traced``):
-    the label string is not even built otherwise."""
-    if torch._C._autograd._profiler_enabled():
-        return record_function(phase_label(phase, unit))
-    return contextlib.nullcontext()
+    """``comm.traced(phase_label(...))``, the label string built only while a profiler records."""
+    return comm.traced(phase_label(phase, unit)) if comm.profiling() else contextlib.nullcontext()
 
 
 class FSDPEngine:

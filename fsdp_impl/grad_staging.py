@@ -47,19 +47,21 @@ class GradStaging:
         """Keep this backward's grad of layout slot ``slot`` (a full, TP-local tensor)."""
         self._stash[slot] = grad
 
+    def _own_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """The staging's pack buffer: kept across backwards when persistent, else a fresh one."""
+        if not self.persistent:
+            return torch.empty(self.numel, dtype=dtype, device=self.device)
+        if self._pending is None or self._pending.dtype != dtype:
+            self._pending = torch.empty(self.numel, dtype=dtype, device=self.device)
+        return self._pending
+
     def take_pending(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """This backward's stashed grads packed into one buffer in ``dtype`` (zeros where no grad
         arrived, so every rank still joins the reduction); the stash is emptied. ``out``: pack
         into it (``numel`` elements of ``dtype``) instead of a buffer of the staging's own."""
         grads, self._stash = self._stash, [None] * len(self._stash)
-        if out is not None:
-            pass
-        elif self.persistent:
-            if self._pending is None or self._pending.dtype != dtype:
-                self._pending = torch.empty(self.numel, dtype=dtype, device=self.device)
-            out = self._pending
-        else:
-            out = torch.empty(self.numel, dtype=dtype, device=self.device)
+        if out is None:
+            out = self._own_buffer(dtype)
         arrived = [g for g in grads if g is not None]
         if not arrived:
             return out.zero_()
