@@ -50,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=cli.positive, default=3)
     p.add_argument("--strategy", default="optim_grads_params")
     p.add_argument("--clock", choices=["wall", "thread"], default="wall")
+    p.add_argument("--foreach", action="store_true",
+                   help="AdamW(foreach=True), the multi-tensor path torch picks on a GPU (CPU default: per-tensor)")
+    p.add_argument("--dtensor-step", action="store_true",
+                   help="step the optimizer on the DTensor params (as before local-shard steps) for comparison")
     return p.parse_args(argv)
 
 
@@ -60,9 +64,11 @@ def measure(env: Env, args: argparse.Namespace) -> None:
     cfg = GPTConfig(vocab=256, hidden=64, layers=args.layers, heads=4, seq=32)
     module = GPT(cfg).to(torch.bfloat16)
     policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
-    model, opt = fsdp_impl.fully_shard(module, torch.optim.AdamW(module.parameters(), lr=1e-4),
-                                       fsdp_unit_modules=[Block], zero_dp_strategy=args.strategy,
+    adamw = torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=True if args.foreach else None)
+    model, opt = fsdp_impl.fully_shard(module, adamw, fsdp_unit_modules=[Block], zero_dp_strategy=args.strategy,
                                        mixed_precision_policy=policy)
+    if args.dtensor_step:
+        opt._fsdp_local_step = None
     engine = model._fsdp_engine
     totals: dict[str, float] = defaultdict(float)
     for name in ENTRY_POINTS:
@@ -74,19 +80,23 @@ def measure(env: Env, args: argparse.Namespace) -> None:
         t0 = clock()
         loss = F.cross_entropy(model(tokens).float().view(-1, cfg.vocab), tokens.view(-1))
         loss.backward()
+        t1 = clock()
         opt.step()
+        totals["optimizer_step"] = clock() - t1
         opt.zero_grad()
         totals["step"] = clock() - t0
         if step >= args.warmup:
-            for name in (*ENTRY_POINTS, "step"):
+            for name in (*ENTRY_POINTS, "optimizer_step", "step"):
                 per_step[name].append(totals[name])
     hooks = [sum(per_step[n][i] for n in ENTRY_POINTS) for i in range(args.steps)]
     print(f"strategy {args.strategy}, {args.layers} layers, {args.steps} steps, {args.clock} clock, "
+          f"foreach {args.foreach}, {'DTensor' if args.dtensor_step else 'local-shard'} optimizer step, "
           f"torch {torch.__version__}")
     print("| entry point | ms/step (median) |\n|---|---:|")
     for name in ENTRY_POINTS:
         print(f"| {name} | {1e3 * statistics.median(per_step[name]):.2f} |")
     print(f"| all hooks | {1e3 * statistics.median(hooks):.2f} |")
+    print(f"| optimizer step | {1e3 * statistics.median(per_step['optimizer_step']):.2f} |")
     print(f"| whole step | {1e3 * statistics.median(per_step['step']):.2f} |")
 
 

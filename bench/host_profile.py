@@ -85,7 +85,7 @@ class _Clock:
 
 
 @contextmanager
-def _patched(clock: _Clock, engine: Any) -> Iterator[list[tuple[str, str]]]:
+def _patched(clock: _Clock, engine: Any, trainee: Any = None) -> Iterator[list[tuple[str, str]]]:
     """Time the FP8 hooks (class attributes, restored after) and the engine's entry points
     (instance attributes, removed after); yields (name, what) rows in table order."""
     from fsdp_impl import fp8_params, fp8_te
@@ -121,6 +121,8 @@ def _patched(clock: _Clock, engine: Any) -> Iterator[list[tuple[str, str]]]:
             if hasattr(engine, name):
                 patch(engine, name, f"engine.{name}", f"engine.{name} (includes the FP8 hooks it calls)",
                       instance=True)
+    if trainee is not None:
+        patch(trainee, "optimizer_step", "engine.optimizer", "optimizer.step + zero_grad", instance=True)
     try:
         yield rows
     finally:
@@ -137,7 +139,7 @@ def hook_table(env: Env, trainee: impls.Trainee, steps: int) -> str:
     per_step: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
     whole: list[float] = []
     clock = _Clock()
-    with _patched(clock, _engine_of(trainee.model)) as rows:
+    with _patched(clock, _engine_of(trainee.model), trainee) as rows:
         for _ in range(steps):
             runtime.sync(env)
             clock.reset()
@@ -166,8 +168,11 @@ def hook_table(env: Env, trainee: impls.Trainee, steps: int) -> str:
 
 
 def run_one(env: Env, name: str, size: str, micro_batch: int, warmup: int, steps: int, top: int,
-            hooks: bool = False) -> None:
+            hooks: bool = False, dtensor_step: bool = False) -> None:
     trainee = impls.build(name, impls.SIZES[size], env, micro_batch)
+    if dtensor_step and hasattr(trainee.optimizer, "_fsdp_local_step"):
+        trainee.optimizer._fsdp_local_step = None  # the DTensor optimizer step, for comparison
+        name += " (DTensor optimizer step)"
     for _ in range(warmup):
         trainee.step()
     runtime.sync(env)
@@ -204,12 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=40, help="functions listed per table")
     p.add_argument("--hooks", action="store_true",
                    help="instead of cProfile: host ms per step in each FP8 hook and engine entry point")
+    p.add_argument("--dtensor-step", action="store_true",
+                   help="also run each implementation with its optimizer stepping on DTensors (no local-shard step)")
     cli.add_run_flags(p, fake_world=False)
     args = p.parse_args(argv)
 
     def body(env: Env) -> None:
         for name in args.impls:
-            run_one(env, name, args.size, args.micro_batch, args.warmup, args.steps, args.top, args.hooks)
+            for dtensor_step in (False, True) if args.dtensor_step else (False,):
+                run_one(env, name, args.size, args.micro_batch, args.warmup, args.steps, args.top, args.hooks,
+                        dtensor_step)
     return cli.with_env(args.device, body)
 
 

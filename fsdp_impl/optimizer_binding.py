@@ -15,6 +15,7 @@ import torch
 from .decoupled import clear_grads
 from .engine import FSDPEngine
 from .graph_mode import USER_CLASS_ATTR, check_optimizer_capturable
+from .local_step import LocalShardStep, eligible_class
 from .offload_optim import check_offload_optimizer, offload_policy_of, offloaded_step, prepare_host_step
 from .placement import local_tensor
 
@@ -102,6 +103,8 @@ class _FSDPOptimizerMixin(torch.optim.Optimizer):
     class (``_FSDPOptimizerMixin, cls``), so ``super()`` is that class's ``zero_grad``."""
 
     _fsdp_engines: list[FSDPEngine]
+    # set for an elementwise optimizer class (``local_step.ELEMENTWISE``); None: step on DTensors
+    _fsdp_local_step: LocalShardStep | None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         zero_grads_and_buffers(self._fsdp_engines, [p for g in self.param_groups for p in g["params"]],
@@ -110,7 +113,14 @@ class _FSDPOptimizerMixin(torch.optim.Optimizer):
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's step, then the engines learn that their weights changed (a fused kernel
         updates them without bumping the version counters the engine reads)."""
-        result = super().step(*args, **kwargs)
+        local = self._fsdp_local_step
+        # a closure re-runs the backward inside the step, after the grads were aliased; graph
+        # mode replays the step without Python, so there is no host time to save
+        if (local is None or args or "closure" in kwargs
+                or any(engine.graph_mode for engine in self._fsdp_engines)):
+            result = super().step(*args, **kwargs)
+        else:
+            result = local.run(self, super().step, **kwargs)
         for engine in self._fsdp_engines:
             engine.note_optimizer_step()
         return result
@@ -147,6 +157,7 @@ def attach_engines(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine]) 
                                {"__module__": cls.__module__, USER_CLASS_ATTR: cls})
     assert isinstance(optimizer, _FSDPOptimizerMixin)
     optimizer._fsdp_engines = list(engines)
+    optimizer._fsdp_local_step = LocalShardStep() if policy is None and eligible_class(cls) else None
     if policy is not None:
         prepare_host_step(optimizer, policy)
     return optimizer

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_impl.clip_grad import clip_grad_norm
 from fsdp_impl.optim import AdamW
@@ -126,3 +127,97 @@ def test_clip_grad_norm_sharded_uneven(tmp_path: Path) -> None:
 
 def test_adamw_decoupled_sharded_matches_full(tmp_path: Path) -> None:
     _spawn(_adam_worker, tmp_path)
+
+
+# (class, kwargs) stepped on local shards and on DTensors; foreach=True forces the multi-tensor
+# path on CPU (torch's default there is the per-tensor loop), so both of torch's paths are covered.
+_LOCAL_STEP_CASES: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1, "foreach": True, "amsgrad": True}),
+    (torch.optim.Adam, {"lr": 0.01, "foreach": True}),
+    (torch.optim.Adam, {"lr": 0.01, "fused": True}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "foreach": True}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
+    (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True, "foreach": True}),
+    (torch.optim.Adamax, {"lr": 0.01, "foreach": True}),
+    (torch.optim.NAdam, {"lr": 0.01, "foreach": True}),
+    (torch.optim.RAdam, {"lr": 0.01, "foreach": True}),
+]
+
+
+def _dtensor_params(start: list[torch.Tensor], layouts: list[tuple[Any, list[Any]]]) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(distribute_tensor(t.clone(), m, pl)) for t, (m, pl) in zip(start, layouts, strict=True)]
+
+
+def _local_step_worker(rank: int, store_path: str) -> None:
+    """Each elementwise optimizer stepped by ``LocalShardStep`` equals the same optimizer stepped
+    on DTensors bit for bit (params and every state entry), its state stays DTensor-shaped with
+    the param's placements, and the DTensor dispatch really is skipped (no DTensor op runs)."""
+    from fsdp_impl.local_step import LocalShardStep, eligible_class
+
+    world_mesh, mesh_2d = _setup(rank, store_path)
+    layouts = _layouts(world_mesh, mesh_2d)
+    for cls, kwargs in _LOCAL_STEP_CASES:
+        assert eligible_class(cls)
+        start = _full_grads(seed=1)
+        params, ref = _dtensor_params(start, layouts), _dtensor_params(start, layouts)
+        opt, ref_opt = cls(params, **kwargs), cls(ref, **kwargs)
+        local = LocalShardStep()
+        for step in range(3):
+            for p, r, g, (m, pl) in zip(params, ref, _full_grads(seed=100 + step), layouts, strict=True):
+                p.grad = distribute_tensor(g, m, pl)
+                r.grad = distribute_tensor(g, m, pl)
+            params[1].grad = None if step == 1 else params[1].grad  # a param without grad this step
+            ref[1].grad = None if step == 1 else ref[1].grad
+            with _no_dtensor_dispatch():
+                local.run(opt, opt.step)
+            ref_opt.step()
+        for p, r in zip(params, ref, strict=True):
+            assert torch.equal(p._local_tensor, r._local_tensor), (cls.__name__, kwargs)
+            assert p.grad is None or isinstance(p.grad, DTensor)
+            assert opt.state[p].keys() == ref_opt.state[r].keys()
+            for key, value in ref_opt.state[r].items():
+                mine = opt.state[p][key]
+                assert type(mine) is type(value), (cls.__name__, key, type(mine), type(value))
+                if isinstance(value, DTensor):
+                    assert mine.placements == value.placements and mine.shape == value.shape
+                    assert torch.equal(mine._local_tensor, value._local_tensor), (cls.__name__, key)
+                elif isinstance(value, torch.Tensor):
+                    assert torch.equal(mine, value), (cls.__name__, key)
+        assert opt.state_dict()["param_groups"] == ref_opt.state_dict()["param_groups"]
+    _partial_grad_falls_back(world_mesh)
+    dist.destroy_process_group()
+
+
+def _partial_grad_falls_back(mesh: Any) -> None:
+    """A grad whose placements are not its param's (``Partial``: the local tensor is a summand,
+    not the shard) must not be stepped locally: the result equals the DTensor step."""
+    from torch.distributed.tensor import Partial
+
+    from fsdp_impl.local_step import LocalShardStep
+
+    full = torch.arange(8.0)
+    p = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Replicate()]))
+    r = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Replicate()]))
+    for q in (p, r):
+        q.grad = DTensor.from_local(torch.ones(8), mesh, [Partial()], run_check=False)
+    opt, ref_opt = torch.optim.SGD([p], lr=0.5), torch.optim.SGD([r], lr=0.5)
+    LocalShardStep().run(opt, opt.step)
+    ref_opt.step()
+    assert torch.equal(p._local_tensor, r._local_tensor)
+    assert torch.equal(p._local_tensor, full - 0.5 * WORLD)  # the reduced grad, not the local summand
+
+
+class _no_dtensor_dispatch(TorchDispatchMode):
+    """Fails the test if any aten op inside gets a DTensor argument (a dispatch mode sees each op
+    with its original arguments, before DTensor's own dispatch, Python or C++ fast path)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        if any(isinstance(t, DTensor) for t in flat):
+            raise AssertionError(f"DTensor dispatch of {func} inside the local-shard step")
+        return func(*args, **(kwargs or {}))
+
+
+def test_local_shard_step_bit_identical_to_dtensor_step(tmp_path: Path) -> None:
+    _spawn(_local_step_worker, tmp_path)
