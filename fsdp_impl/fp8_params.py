@@ -92,6 +92,9 @@ class NativeFp8Param:
         free_storage(self.data)
         self.scale_inv: torch.Tensor | None = None  # the full tensor's grid, same on every rank
         self.block = self.shape
+        # the plane as the FP8 dtype, built once: a view reads its storage's address at use, so it
+        # stays valid while ``data`` is freed and re-allocated (``untyped_storage().resize_``)
+        self._fp8_data = self.data.view(module.fp8_quantizers.weight.dtype)
 
     def planes(self) -> list[torch.Tensor]:
         return [self.data]
@@ -101,7 +104,10 @@ class NativeFp8Param:
             raise RuntimeError(f"FP8 parameter {self.managed.fqn!r} was gathered before it was quantised")
         slot = self.module.fp8_weight_slot
         slot.keep_transpose = keep_transpose
-        slot.fill(Fp8Tensor(self.data.view(self.module.fp8_quantizers.weight.dtype), self.scale_inv, self.block))
+        dtype = self.module.fp8_quantizers.weight.dtype
+        if self._fp8_data.dtype != dtype:  # a recipe swapped since (not done today): view again
+            self._fp8_data = self.data.view(dtype)
+        slot.fill(Fp8Tensor(self._fp8_data, self.scale_inv, self.block))
 
     def release(self, keep_transpose: bool) -> None:
         self.module.fp8_weight_slot.release(keep_transpose)
@@ -165,12 +171,6 @@ FILL: dict[str, Callable[[list[Any], bool], None]] = {
 }
 
 
-def _allocate(t: torch.Tensor) -> None:
-    need = t.numel() * t.element_size()
-    if t.untyped_storage().size() != need:
-        t.untyped_storage().resize_(need)
-
-
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -207,8 +207,16 @@ class UnitFp8:
         self._send = torch.zeros(self.fp8_bytes + self.other_bytes, dtype=torch.uint8, device=device)
         self.fp8_local = self._send[: self.fp8_layout.segment_numel]
         self._with_fp8 = True  # does the gather in flight (a unit has at most one) carry FP8 bytes?
-        # Every byte plane in slot order (the planes are persistent tensors, refilled and freed).
+        # Every byte plane in slot order (the planes are persistent tensors, refilled and freed),
+        # its size in bytes, and where ``unpack_all`` writes it (views stay valid across the resizes).
         self._planes = [data for f in fp8 for data in f.planes()]
+        self._plane_nbytes = [data.numel() * data.element_size() for data in self._planes]
+        self._plane_plan = self.fp8_layout.unpack_plan(self._planes)
+        # This rank's part of a gather, with and without the FP8 bytes (fixed slices of ``_send``);
+        # with one shard that part is the whole gather (``gather``), and ``unpack`` reads it through
+        # views built once per form: (FP8 rows or None, the other params as ``[1, numel]`` compute dtype).
+        self._local = {True: self._send, False: self._send[self.fp8_bytes:]}
+        self._solo_views: dict[bool, tuple[torch.Tensor | None, torch.Tensor]] = {}
         # Built on first use for the weight buffer they view (rebuilt if that tensor is replaced).
         self._items: tuple[torch.Tensor, list[QuantizeItem]] | None = None
         self._copies: tuple[torch.Tensor, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] | None = None
@@ -267,39 +275,62 @@ class UnitFp8:
 
     def gather(self, weight: DataParallelBuffer, group: dist.ProcessGroup, force_fp8: bool = False) -> torch.Tensor:
         """All-gather ``[FP8 bytes | other params]`` (uint8, ``[n * segment]``) of the unit
-        (``force_fp8``: the FP8 bytes too where ``_gathers_fp8`` would leave them out)."""
-        self._with_fp8 = force_fp8 or self._gathers_fp8()
-        fp8_bytes = self.fp8_bytes if self._with_fp8 else 0
-        segment = fp8_bytes + self.other_bytes
-        local = self._send[self.fp8_bytes - fp8_bytes:]  # [FP8 bytes |] other params
+        (``force_fp8``: the FP8 bytes too where ``_gathers_fp8`` would leave them out).
+
+        One rank: the gather would only copy this rank's segment, so the segment itself (a slice
+        of the persistent ``_send``) is returned and ``unpack`` reads it in place. Nothing writes
+        ``_send`` between a gather and its unpack: a unit has one gather in flight at a time, and
+        the requantisation (which writes the FP8 bytes) runs at the root's pre-forward, after every
+        unused prefetched gather was dropped. On CUDA the later writers come after the unpack's
+        reads in stream order: the requantisation on the compute stream, the next gather's copies
+        on the gather stream once it waited for the compute stream (``CommStream.use``)."""
+        self._with_fp8 = with_fp8 = force_fp8 or self._gathers_fp8()
+        local = self._local[with_fp8]  # [FP8 bytes |] other params
         for dsts, srcs in self._other_copies(weight):
             torch._foreach_copy_(dsts, srcs)
-        gathered = torch.empty(segment * self.n, dtype=torch.uint8, device=self.device)
-        if segment:
+        if self.n == 1 and comm.solo(group):
+            return local
+        gathered = torch.empty(local.numel() * self.n, dtype=torch.uint8, device=self.device)
+        if local.numel():
             comm.all_gather(gathered, local, group)
         return gathered
 
+    def _views(self, gathered: torch.Tensor, with_fp8: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``gathered`` as (the FP8 planes' ``[n, fp8 segment]`` uint8 columns, or None without
+        them; the other params' ``[n, other segment]`` in the compute dtype), strided views (no
+        copy); built once for the one-rank gathers, which are always the same two tensors."""
+        solo = gathered is self._local[with_fp8]
+        if solo and with_fp8 in self._solo_views:
+            return self._solo_views[with_fp8]
+        fp8_bytes = self.fp8_bytes if with_fp8 else 0
+        rows = gathered.view(self.n, fp8_bytes + self.other_bytes)
+        fp8_rows = rows.narrow(1, 0, self.fp8_layout.segment_numel) if with_fp8 else None
+        views = (fp8_rows, rows.narrow(1, fp8_bytes, self.other_nbytes).view(self.compute))
+        if solo:
+            self._solo_views[with_fp8] = views
+        return views
+
     def unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, FlatLayout, list[ManagedParam]]:
         """Fill the FP8 params from a gather; return the other params' gathered values (compute
-        dtype, ``[n * segment]`` of ``other_layout``) for the unit to copy out as usual."""
-        fp8_bytes = self.fp8_bytes if self._with_fp8 else 0
-        rows = gathered.view(self.n, fp8_bytes + self.other_bytes)
-        if self._with_fp8:
-            for data in self._planes:
-                _allocate(data)
+        dtype, ``[n, segment]`` of ``other_layout``, maybe strided) for the unit to copy out."""
+        fp8_rows, others = self._views(gathered, self._with_fp8)
+        if fp8_rows is not None:
+            for data, nbytes in zip(self._planes, self._plane_nbytes, strict=True):
+                storage = data.untyped_storage()
+                if storage.size() != nbytes:
+                    storage.resize_(nbytes)
             # every plane in one call (one kernel where the layout allows: ``unpack_all``)
-            self.fp8_layout.unpack_all(rows.narrow(1, 0, self.fp8_layout.segment_numel), self._planes,
-                                       fused=not self.graph_mode)
-            for kind, params in self._by_kind.items():
+            self.fp8_layout.unpack_all(fp8_rows, self._planes, fused=not self.graph_mode, plan=self._plane_plan)
+            for kind, params in self._by_kind.items():  # looked up per call: bench.host_profile times FILL
                 FILL[kind](params, self.keep_transpose)
-        others = rows.narrow(1, fp8_bytes, self.other_nbytes).contiguous().view(self.compute).reshape(-1)
         return others, self.other_layout, self.other_params
 
     def release(self, after_backward: bool) -> None:
         """The unit resharded: free the FP8 bytes (the forward's transposes stay for the
         backward with ``keep_fp8_transpose_cache``)."""
+        keep = self.keep_transpose and not after_backward
         for f in self.fp8_params:
-            f.release(self.keep_transpose and not after_backward)
+            f.release(keep)
 
 
 class ModelFp8:

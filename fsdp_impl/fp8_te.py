@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import comm
+
 if TYPE_CHECKING:  # param.py imports this module
     from .param import ManagedParam
 
@@ -358,7 +360,7 @@ class CurrentScalingCast:
                 torch._foreach_copy_(self.amax_slots, amaxes)
         else:
             self.packed.zero_()
-        torch.distributed.all_reduce(self.packed, op=torch.distributed.ReduceOp.MAX, group=group)
+        comm.all_reduce_max(self.packed, group)  # one rank: nothing to reduce, no launch
         self.tex.multi_tensor_compute_scale_and_scale_inv(self.chunk_size, self.noop, self.lists, self.max_fp8,
                                                           self.pow2, self.epsilon)
         quantize = self.tex.quantize
@@ -414,7 +416,7 @@ class DelayedScalingCast:
             quantize(src, cast, rows, None)
         self.cast.free()
         torch._foreach_copy_(self.amax_views, self.amaxes)
-        torch.distributed.all_reduce(self.packed_amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        comm.all_reduce_max(self.packed_amax, group)
         torch._foreach_copy_(self.amaxes, self.amax_views)
         torch._foreach_copy_(self.scale_views, self.scales)
         torch.reciprocal(self.packed_scale, out=self.packed_scale)

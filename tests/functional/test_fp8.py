@@ -184,6 +184,55 @@ def test_fp8_gather_bytes_and_bits(recipe: str, dist_env) -> None:
     assert kept_bytes < fp8_bytes and kept_bwd < 0.25 * fp8_bwd, (kept_bwd, fp8_bwd)
 
 
+@W1
+@pytest.mark.matrix(mesh=axes.mesh(1), recipe=matrix.param("recipe"))
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_gather_bits_one_rank(recipe: str, dist_env) -> None:
+    """One rank: the FP8-byte "gather" reads the unit's persistent send segment in place
+    (``UnitFp8.gather``), with the next unit prefetched while one is unsharded: the same losses
+    bit for bit as quantising the gathered bf16 weights in every forward (no FP8 buffers)."""
+    bf16_losses, _, _ = _gather_run(recipe, False, False, dist_env.device)
+    fp8_losses, _, _ = _gather_run(recipe, True, False, dist_env.device)
+    kept_losses, _, _ = _gather_run(recipe, True, True, dist_env.device)
+    assert fp8_losses == bf16_losses == kept_losses, (fp8_losses, bf16_losses, kept_losses)
+
+
+def _unpacked(unit, gathered: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of what ``unpack`` gives for ``gathered``: the FP8 planes' bytes, the other params."""
+    others, _, _ = unit.fp8.unpack(gathered)
+    return [p.clone() for p in unit.fp8._planes] + [others.clone()]
+
+
+@pytest.mark.parametrize("world", [pytest.param(1, marks=W1), pytest.param(2, marks=W2)])
+@pytest.mark.matrix(mesh=matrix.param("world", axes.mesh), recipe="current")
+def test_fp8_gathers_in_flight_keep_their_bytes(world: int, dist_env) -> None:
+    """Two units' gathers alive at once (as with prefetch), unpacked in reverse order, and a main
+    weight edited between a gather and its unpack: each unpack gives the bytes of its own gather
+    as a lone gather + unpack does (fails when gather storage is shared or reused too early, or
+    read lazily from the main weights)."""
+    model, opt = ft.wrap(ft.build("current"))
+    ft.train_fsdp(model, opt, dist_env.rank, 1, 1, dist_env.device)  # requantised FP8 bytes, stepped weights
+    engine = model._fsdp_engine
+    units = [u for u in engine.units if u.fp8 is not None]
+    assert len(units) >= 2
+    group = units[0].ctx.gather_group or units[0].ctx.group
+    with torch.no_grad():
+        alone = []
+        for u in units:
+            alone.append(_unpacked(u, u.fp8.gather(u.weight, group, force_fp8=True)))
+            u.fp8.release(after_backward=True)
+        in_flight = [u.fp8.gather(u.weight, group, force_fp8=True) for u in units]
+        saved = [u.weight.data.clone() for u in units]
+        for u in units:
+            u.weight.data.add_(1.0)  # after the gather: must not reach its unpack
+        for u, gathered, expected in reversed(list(zip(units, in_flight, alone, strict=True))):
+            got = _unpacked(u, gathered)
+            u.fp8.release(after_backward=True)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), u.name
+        for u, data in zip(units, saved, strict=True):
+            u.weight.data.copy_(data)
+
+
 @W2
 @pytest.mark.matrix(recipe=matrix.param("recipe"))
 @pytest.mark.parametrize("recipe", RECIPES)
