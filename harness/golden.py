@@ -63,8 +63,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help=f"directory of the golden files, relative to the rootdir (default {DEFAULT_DIR}; "
                          f"env {ENV_DIR})")
     group.addoption("--golden-platform", default=None,
-                    help="platform whose files to use: cpu, or the GPU's generation (h100, h200, b200, gb200); "
-                         f"default: detected (env {ENV_PLATFORM})")
+                    help="platform whose files to use: cpu, a CPU kind (cpu-avx2-amd: harness.golden.cpu_kind), "
+                         "or the GPU's generation (h100, h200, b200, gb200); default: detected, a CPU kind's "
+                         f"files where the golden dir has them (env {ENV_PLATFORM})")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -111,6 +112,47 @@ def detect_platform() -> str:
         return "cpu"
     name = torch.cuda.get_device_name(0).lower()
     return generation_of(name) or name.replace("nvidia", "").strip().replace(" ", "_") or "gpu"
+
+
+def cpu_kind() -> str:
+    """``cpu-<ATen CPU capability>-<vendor>``, e.g. ``cpu-avx2-amd``. The capability and the vendor
+    pick the CPU kernels (vectorised reductions, BLAS paths), whose summation order differs: the
+    same code and torch measured 1e-7 to 4e-5 relative drift on fp32 cells and 5e-3 on a bf16 cell
+    between the AVX-512 machine that made ``cpu/`` and an AVX2 AMD machine."""
+    import platform as platform_module
+
+    import torch
+
+    capability = str(torch.backends.cpu.get_cpu_capability()).lower()
+    vendor = _cpu_vendor() or platform_module.machine().lower() or "unknown"
+    return f"cpu-{capability}-{vendor}"
+
+
+def _cpu_vendor() -> str | None:
+    """``intel`` / ``amd`` (else the raw ``vendor_id``) from /proc/cpuinfo; None where absent."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    raw = line.split(":", 1)[1].strip()
+                    return {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(raw, raw.lower() or None)
+    except OSError:
+        return None
+    return None
+
+
+def resolve_platform(directory: pathlib.Path) -> str:
+    """The directory of files to compare with: ``detect_platform()``, except that a detected
+    ``cpu`` becomes this machine's CPU kind (``cpu_kind()``) where ``directory`` holds files for
+    it; ``cpu`` then stays the files of the kind that made them first. An explicit
+    ``--golden-platform`` is used as given (``--golden-platform cpu-avx2-amd --golden-update``
+    makes a kind's files)."""
+    platform = detect_platform()
+    if platform == "cpu" and not os.environ.get(ENV_PLATFORM):
+        kind = cpu_kind()
+        if (directory / kind).is_dir():
+            return kind
+    return platform
 
 
 def versions() -> dict[str, str]:
@@ -197,10 +239,10 @@ class Golden:
 
     def __init__(self, request: pytest.FixtureRequest) -> None:
         self._request = request
-        self.platform = detect_platform()
         # Only an explicit --golden-dir travels through the environment (the default is found
         # from the rootdir, which every rank's session shares): nothing is set behind a test's back.
         self.directory = pathlib.Path(os.environ.get(ENV_DIR) or request.config.rootpath / DEFAULT_DIR)
+        self.platform = resolve_platform(self.directory)
         self.update = os.environ.get(ENV_UPDATE) == "1"
 
     def path(self, cell: str) -> pathlib.Path:

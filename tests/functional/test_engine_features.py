@@ -218,6 +218,25 @@ def test_optimizer_steps_on_local_shards_bit_identical(kind, strategy, dist_env)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.matrix(zero="no_shard")
+def test_local_step_takes_a_partial_grad_as_its_sum(dist_env) -> None:
+    """A hand-written ``Partial`` grad (each rank holds a summand) must not be stepped on its
+    local tensor: the bound optimizer takes the DTensor path and applies the reduced grad."""
+    from torch.distributed.tensor import Partial
+
+    module = build_model("cnn", seed=0)
+    model, opt = fully_shard(module, torch.optim.SGD(module.parameters(), lr=0.5),
+                             fsdp_unit_modules=list(unit_classes("cnn")), zero_dp_strategy="no_shard")
+    params = list(model.parameters())
+    before = [p.to_local().clone() for p in params]
+    for p in params:
+        p.grad = DTensor.from_local(torch.ones_like(p.to_local()), p.device_mesh, [Partial()] * p.device_mesh.ndim,
+                                    run_check=False)
+    opt.step()
+    for p, b in zip(params, before, strict=True):  # the full grad is world x ones
+        assert torch.equal(p.to_local(), b - 0.5 * dist_env.world_size), "stepped on the local summand"
+
+
 @pytest.mark.matrix(model="transformer", dtype="fp64")
 def test_custom_dtypes_and_mixed_precision_context(dist_env) -> None:
     """Megatron-FSDP's fully_shard test's custom-dtype check: buffer dtypes follow the policy; grads reach the fp64 main

@@ -270,6 +270,23 @@ def optimizer_step_not_noted() -> None:
     replace("fsdp_impl.engine:FSDPEngine.note_optimizer_step", lambda original: lambda self: None)
 
 
+def local_step_partial_grad_stepped_locally() -> None:
+    """The local-shard optimizer step takes every grad's local tensor as the shard of the update,
+    also a ``Partial`` grad's (a summand, not the shard): that param moves by one rank's part."""
+    replace("fsdp_impl.local_step:LocalShardStep._grads_match", lambda original: staticmethod(lambda params: True))
+
+
+def local_step_state_left_local() -> None:
+    """The local-shard optimizer step keeps the state it created as plain local tensors instead of
+    DTensors with the param's placements: ``state_dict`` and DCP then see unsharded, wrong-shaped
+    moments (training numbers unchanged)."""
+    def make(original: Any) -> Any:
+        def write_back(state: Any, p: Any, local: dict) -> None:
+            state[p] = dict(local)
+        return write_back
+    replace("fsdp_impl.local_step:_write_back", make)
+
+
 def nccl_ub_registration_order_per_rank() -> None:
     """NCCL user buffers are registered with the model's groups in an order that depends on the
     rank (odd ranks reversed): registration is collective per group, so ranks would wait for
@@ -407,6 +424,10 @@ MUTANTS = (
     Mutant("optimizer_step_not_noted", "fused optimizer step leaves ZeRO-1/2 compute weights stale",
            (F + "test_engine_features.py", "-k", "test_fused_optimizer_step_reaches_the_next_forward"),
            numerics="every step with a fused optimizer (ZeRO-1/2)"),
+    Mutant("local_step_partial_grad_stepped_locally", "optimizer stepped on a Partial grad's local summand",
+           (F + "test_engine_features.py", "-k", "test_local_step_takes_a_partial_grad_as_its_sum")),
+    Mutant("local_step_state_left_local", "optimizer state left as local tensors after a local-shard step",
+           (F + "test_engine_features.py", "-k", "test_optimizer_steps_on_local_shards_bit_identical")),
     Mutant("nccl_ub_registration_order_per_rank", "NCCL user buffers registered in a rank-dependent group order",
            (F + "test_nccl_ub.py", "-k", "test_nccl_ub_hsdp_registers_every_group_in_one_order")),
     Mutant("recompute_pre_backward_keeps_sharded_params", "recompute inside a unit reads its sharded params",

@@ -1,0 +1,42 @@
+"""Which directory of golden files a run compares with (``harness.golden.resolve_platform``): a
+CPU kind's own files where the golden directory has them, else ``cpu``; an explicit platform as
+given. Kinds exist because CPU kernels differ between kinds (measured: 1e-7..5e-3 relative drift
+of the same code between an AVX-512 and an AVX2 AMD machine), so one set of bit-exact CPU files
+cannot hold for every CI machine."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from harness import golden
+
+
+@pytest.fixture
+def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HARNESS_FORCE_CPU", "1")
+    monkeypatch.delenv(golden.ENV_PLATFORM, raising=False)
+
+
+def test_cpu_kind_names_capability_and_vendor() -> None:
+    assert re.fullmatch(r"cpu-[a-z0-9_]+-[a-z0-9_]+", golden.cpu_kind()), golden.cpu_kind()
+
+
+def test_cpu_without_kind_files_uses_cpu(cpu_only: None, tmp_path: pathlib.Path) -> None:
+    (tmp_path / "cpu").mkdir()
+    assert golden.resolve_platform(tmp_path) == "cpu"
+
+
+def test_cpu_with_kind_files_uses_them(cpu_only: None, tmp_path: pathlib.Path) -> None:
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / golden.cpu_kind()).mkdir()
+    (tmp_path / "cpu-avx512-someone-else").mkdir()
+    assert golden.resolve_platform(tmp_path) == golden.cpu_kind()
+
+
+def test_explicit_platform_is_used_as_given(cpu_only: None, tmp_path: pathlib.Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / golden.cpu_kind()).mkdir()
+    monkeypatch.setenv(golden.ENV_PLATFORM, "cpu")
+    assert golden.resolve_platform(tmp_path) == "cpu"
