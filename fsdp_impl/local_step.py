@@ -14,7 +14,8 @@ the local tensors of the DTensor state. Afterwards the groups and the state obje
 state the step created (first step) is wrapped into DTensors with the param's mesh and
 placements, exactly what the DTensor path would have stored, so ``state_dict`` and DCP see no
 difference. Anything else (another optimizer class, a grad whose placements differ from its
-param's, e.g. ``Partial``) takes the ordinary DTensor path.
+param's, e.g. ``Partial``, registered step hooks, ``differentiable=True``) takes the ordinary
+DTensor path.
 """
 from __future__ import annotations
 
@@ -58,6 +59,19 @@ class LocalShardStep:
         return cached[1]
 
     @staticmethod
+    def _needs_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+        """Step hooks (the optimizer's or torch's global ones) run inside ``step`` and would see
+        the aliases, e.g. a norm over ``group["params"]`` would be a shard's; a differentiable
+        step would record its graph on the aliases, cut off from the params. Both keep DTensors."""
+        from torch.optim import optimizer as optimizer_module
+
+        return bool(getattr(optimizer, "_optimizer_step_pre_hooks", None)
+                    or getattr(optimizer, "_optimizer_step_post_hooks", None)
+                    or getattr(optimizer_module, "_global_optimizer_pre_hooks", None)
+                    or getattr(optimizer_module, "_global_optimizer_post_hooks", None)
+                    or any(g.get("differentiable") for g in optimizer.param_groups))
+
+    @staticmethod
     def _grads_match(params: list[Any]) -> bool:
         """Every DTensor param's grad (if any) is a DTensor on the same mesh and placements with
         the same local shape: then the grad's local tensor is exactly the shard the update needs."""
@@ -77,7 +91,7 @@ class LocalShardStep:
         """``step(*args, **kwargs)`` on local shards when every DTensor param qualifies, else as is."""
         groups = optimizer.param_groups
         dparams = [p for g in groups for p in g["params"] if isinstance(p, DTensor)]
-        if not dparams or not self._grads_match(dparams):
+        if not dparams or self._needs_dtensors(optimizer) or not self._grads_match(dparams):
             return step(*args, **kwargs)
         saved_params = [g["params"] for g in groups]
         saved_state = optimizer.state

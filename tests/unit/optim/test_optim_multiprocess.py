@@ -186,7 +186,24 @@ def _local_step_worker(rank: int, store_path: str) -> None:
                     assert torch.equal(mine, value), (cls.__name__, key)
         assert opt.state_dict()["param_groups"] == ref_opt.state_dict()["param_groups"]
     _partial_grad_falls_back(world_mesh)
+    _step_hooks_see_dtensors(world_mesh)
     dist.destroy_process_group()
+
+
+def _step_hooks_see_dtensors(mesh: Any) -> None:
+    """A step pre-hook runs inside ``step``: with one registered, the params it sees in the groups
+    are still the DTensors (a hook computing e.g. a norm over them gets the global one)."""
+    from fsdp_impl.local_step import LocalShardStep
+
+    p = torch.nn.Parameter(distribute_tensor(torch.arange(8.0), mesh, [Shard(0)]))
+    p.grad = distribute_tensor(torch.ones(8), mesh, [Shard(0)])
+    opt = torch.optim.SGD([p], lr=0.5)
+    seen: list[type] = []
+    opt.register_step_pre_hook(
+        lambda o, args, kwargs: seen.extend(type(q) for g in o.param_groups for q in g["params"]))
+    LocalShardStep().run(opt, opt.step)
+    assert seen == [DTensor], seen
+    assert torch.equal(p.full_tensor(), torch.arange(8.0) - 0.5)
 
 
 def _partial_grad_falls_back(mesh: Any) -> None:
