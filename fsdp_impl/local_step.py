@@ -2,8 +2,8 @@
 
 Why: torch's foreach / fused Adam(W) and SGD over DTensor params send every multi-tensor op
 through DTensor dispatch (sharding propagation, unwrap, rewrap of each of hundreds of tensors):
-about 36 ms of host time per step of a 1.3B GPT on an H200, which the FP8 step, host-bound,
-pays in full. For an optimizer whose update of an element reads only that element's param,
+on an H200 at 1.3B, ``step() + zero_grad()`` took 28.5 ms of host time on DTensors and 18.4 ms
+on local shards (36.2 and 18.9 ms in the FP8 cell, whose step is host-bound). For an optimizer whose update of an element reads only that element's param,
 grad and state (``ELEMENTWISE``), the update of a shard is the shard of the update, so the same
 kernels can run on the plain local tensors with no dispatch at all.
 
