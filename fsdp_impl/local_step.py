@@ -3,9 +3,10 @@
 Why: torch's foreach / fused Adam(W) and SGD over DTensor params send every multi-tensor op
 through DTensor dispatch (sharding propagation, unwrap, rewrap of each of hundreds of tensors):
 on an H200 at 1.3B, ``step() + zero_grad()`` took 28.5 ms of host time on DTensors and 18.4 ms
-on local shards (36.2 and 18.9 ms in the FP8 cell, whose step is host-bound). For an optimizer whose update of an element reads only that element's param,
-grad and state (``ELEMENTWISE``), the update of a shard is the shard of the update, so the same
-kernels can run on the plain local tensors with no dispatch at all.
+on local shards (36.2 and 18.9 ms in the FP8 cell, whose step is host-bound). For an optimizer
+whose update of an element reads only that element's param, grad and state (``ELEMENTWISE``),
+the update of a shard is the shard of the update, so the same kernels can run on the plain local
+tensors with no dispatch at all.
 
 How: for the step only, each DTensor param in the groups is replaced by a cached alias of its
 local tensor (``detach()``: same storage and version counter) whose ``.grad`` is the grad's local
