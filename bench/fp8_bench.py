@@ -157,10 +157,12 @@ def _te_reference(kind: str, module: nn.Module, env: Env) -> tuple[nn.Module, to
     return TeAutocast(module, recipe), opt
 
 
-def _ours_native(module: nn.Module, env: Env) -> tuple[nn.Module, torch.optim.Optimizer]:
+def ours_native(module: nn.Module, env: Env, keep: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Torch-native ``Float8Linear`` FP8 params (current scaling) in the blocks, ZeRO-3
+    (``keep``: ``keep_fp8_transpose_cache``); also ``bench.fp8_host_cpu``'s model."""
     from fsdp_impl.fp8 import CurrentScaling, convert_to_fp8
     convert_to_fp8(module, CurrentScaling(), module_filter=lambda name, m: name.startswith("blocks."), fp8_params=True)
-    return _fsdp(module, env, keep_transpose=True)
+    return _fsdp(module, env, keep_transpose=keep)
 
 
 _FP8 = "ZeRO-3, bf16 module, fp32 main params + grads, units = blocks, block linears"
@@ -189,7 +191,7 @@ FP8_IMPLS = [
                functools.partial(_ours_te, "current", False, False), torch.bfloat16, False,
                needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
     impls.Impl("ours-fp8-native-current", f"fsdp_impl {_FP8} Float8Linear FP8 params (torch-native current)",
-               _ours_native, torch.bfloat16, False, persistent_bytes=lambda w: 16.0 / w),
+               ours_native, torch.bfloat16, False, persistent_bytes=lambda w: 16.0 / w),
     *[impls.Impl(f"te-fp8-ref{suffix}", f"TransformerEngine alone, no FSDP / data parallelism: bf16 module, block "
                  f"linears te.Linear FP8 params ({name}), te.FusedAdam(master_weights=True) fp32 master + moments",
                  functools.partial(_te_reference, kind), torch.bfloat16, False, needs_module="transformer_engine",

@@ -13,17 +13,10 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn as nn
 
 from bench import cli, fp8_bench, host_profile, impls
 from bench.gpt import GPTConfig
 from bench.runtime import Env
-
-
-def _native(keep: bool, module: nn.Module, env: Env) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from fsdp_impl.fp8 import CurrentScaling, convert_to_fp8
-    convert_to_fp8(module, CurrentScaling(), module_filter=lambda name, m: name.startswith("blocks."), fp8_params=True)
-    return fp8_bench._fsdp(module, env, keep_transpose=keep)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(env: Env) -> None:
         name = "ours-fp8-native-cpu-bench"
-        impls.IMPLS[name] = impls.Impl(name, "native FP8 params", lambda m, e: _native(not args.regather, m, e),
+        impls.IMPLS[name] = impls.Impl(name, "native FP8 params",
+                                       lambda m, e: fp8_bench.ours_native(m, e, keep=not args.regather),
                                        torch.bfloat16, False)
         cfg = GPTConfig(vocab=256, hidden=args.hidden, layers=args.layers, heads=4, seq=32)
         trainee = impls.build(name, cfg, env, args.micro_batch)
