@@ -282,10 +282,9 @@ class FSDPUnit:
         stream = self.ctx.streams.gather
         version = self.version_signature() if self.tracks_versions else self.synced_version
         if self._solo_gather and self.fp8 is None and self.offload is None:
-            # one rank: the gather is a cast copy of the shard, so it runs on the compute stream
-            # (no side-stream switch, event or record_stream: host time, not overlap, is saved)
-            with self.ctx.comm_allocation():
-                return _Gather(self.weight.data.to(self.dtypes.compute, copy=True), None, version)
+            # one rank: the shard is the whole unit, so the copy-out reads (and casts) straight
+            # from it on the compute stream: no gathered copy, side-stream switch or event
+            return _Gather(self.weight.data, None, version)
         with stream.use(), self.ctx.comm_allocation():
             if self.fp8 is not None:  # FP8 params travel as FP8 bytes
                 gathered = self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group, force_fp8)

@@ -94,6 +94,27 @@ def test_pack_all_matches_per_param_pack(param_shapes, world: int, fused: bool) 
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_one_shard_copies_cast_into_any_strides(fused: bool) -> None:
+    """World 1 (one multi-tensor copy): unpacking an fp32 segment into bf16 params, one of them a
+    transposed (non-contiguous) view and one empty, equals casting each slice; packing bf16 grads
+    back into an fp32 segment restores the bf16-rounded values and touches nothing else."""
+    shapes = [(3, 4), (0, 2), (5,), (4, 3)]
+    layout = FlatLayout(shapes, 1)
+    src = torch.randn(layout.total_numel)
+    outs = [torch.full(s, float("nan"), dtype=torch.bfloat16) for s in shapes[:3]]
+    outs.append(torch.full((3, 4), float("nan"), dtype=torch.bfloat16).t())
+    layout.unpack_all(src, outs, fused=fused)
+    offset = 0
+    for out, shape in zip(outs, shapes, strict=True):
+        n = out.numel()
+        assert torch.equal(out, src[offset:offset + n].view(shape).to(torch.bfloat16))
+        offset += n
+    packed = torch.full((layout.total_numel,), float("nan"))
+    layout.pack_all(packed, outs, fused=fused)
+    assert torch.equal(packed, src.to(torch.bfloat16).float())
+
+
 def test_empty_shards_for_param_smaller_than_world() -> None:
     layout = FlatLayout([(3,), (2, 5)], 4)
     assert layout.slots[0].chunk == 1 and layout.slots[1].chunk == 1
