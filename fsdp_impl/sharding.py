@@ -107,13 +107,13 @@ class FlatLayout:
 
         ``fused``: one op, ``torch._chunk_cat``, which pads each tensor's rows to a multiple of
         ``num_shards`` and concatenates the chunks of each shard, exactly this layout (one kernel
-        on CUDA, the cast included). One shard (world 1) has no padding and one range per
-        parameter: one multi-tensor copy (``_solo_pairs``), whatever ``fused`` says. Its CUDA kernel uploads its metadata from a temporary pinned
-        host buffer, which a captured CUDA graph would read again at replay after it was freed,
-        so CUDA-graph mode passes ``fused=False``: multi-tensor ``_foreach_copy_`` /
+        on CUDA, the cast included). Its CUDA kernel uploads its metadata from a temporary
+        pinned host buffer, which a captured CUDA graph would read again at replay after it was
+        freed, so CUDA-graph mode passes ``fused=False``: multi-tensor ``_foreach_copy_`` /
         ``_foreach_zero_`` over the (param, shard) pieces (``pieces``), whose addresses travel
         as kernel arguments. Empty params occupy no space and are left out (``_chunk_cat``
-        refuses empty tensors)."""
+        refuses empty tensors). One shard (world 1) has no padding and one range per parameter:
+        one multi-tensor copy (``_solo_pairs``), whatever ``fused`` says."""
         segments = out.view(self.num_shards, self.segment_numel)
         if self.num_shards == 1:
             _copy_lists(*self._solo_pairs(segments[0], fulls, into_segment=True))
