@@ -55,7 +55,9 @@ class TrainingState(enum.Enum):
 
 @dataclass
 class _Gather:
-    """An all-gather in flight: its output, the event that marks it done, the weights' version."""
+    """An all-gather in flight: its output, the event that marks it done, the weights' version.
+    One rank (no FP8, no offload): the output is the weight shard itself, in the main dtype, and
+    no event (the copy-out casts from it on the compute stream)."""
 
     gathered: torch.Tensor
     event: torch.cuda.Event | None
@@ -170,7 +172,7 @@ class FSDPUnit:
         # (module param dict, name, tensor) per param location for swap_in / swap_out, built at
         # the first swap after sharding: a swap is then one dict store per location
         self._swaps: tuple[list[_Swap], list[_Swap]] | None = None
-        self._solo_gather = comm.solo(ctx.gather_group or ctx.group)  # one-rank gathers are local copies
+        self._solo_gather = comm.solo(ctx.gather_group or ctx.group)  # one rank: no gather (_start_gather)
         self.fp8: UnitFp8 | None = None  # FP8 params: gathered as FP8 bytes (fp8_params.py)
         if self.offload is not None:
             self.offload.attach(self)
