@@ -101,17 +101,32 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         item.user_properties.append(prop)
 
 
-def detect_platform() -> str:
-    """``cpu`` without a visible GPU (or with the CPU backend forced), else the GPU's generation
-    from its name ("NVIDIA H200" -> ``h200``, "NVIDIA GB200" -> ``gb200``)."""
+def detect_platform(device_type: str | None = None) -> str:
+    """``cpu`` when the run's tensors live on the CPU (``device_type="cpu"``: a gloo cell on a GPU
+    host computes with the CPU's kernels, so it compares with CPU files), without a visible GPU, or
+    with the CPU backend forced; else the GPU's generation from its name ("NVIDIA H200" -> ``h200``,
+    "NVIDIA GB200" -> ``gb200``). ``--golden-platform`` overrides all of it."""
     if os.environ.get(ENV_PLATFORM):
         return os.environ[ENV_PLATFORM]
     import torch
 
-    if os.environ.get("HARNESS_FORCE_CPU") == "1" or not torch.cuda.is_available():
+    if (device_type == "cpu" or os.environ.get("HARNESS_FORCE_CPU") == "1"
+            or not torch.cuda.is_available()):
         return "cpu"
     name = torch.cuda.get_device_name(0).lower()
     return generation_of(name) or name.replace("nvidia", "").strip().replace(" ", "_") or "gpu"
+
+
+def run_device_type() -> str | None:
+    """Where a distributed test's tensors live, from its default process group: ``cpu`` when no
+    backend of it can drive a GPU (gloo alone), ``cuda`` otherwise; None outside a process group
+    (then the machine decides)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    backend = str(dist.get_backend()).lower()
+    return "cuda" if any(b in backend for b in ("nccl", "cuda")) else "cpu"
 
 
 def cpu_kind() -> str:
@@ -141,13 +156,13 @@ def _cpu_vendor() -> str | None:
     return None
 
 
-def resolve_platform(directory: pathlib.Path) -> str:
-    """The directory of files to compare with: ``detect_platform()``, except that a detected
-    ``cpu`` becomes this machine's CPU kind (``cpu_kind()``) where ``directory`` holds files for
-    it; ``cpu`` then stays the files of the kind that made them first. An explicit
+def resolve_platform(directory: pathlib.Path, device_type: str | None = None) -> str:
+    """The directory of files to compare with: ``detect_platform(device_type)``, except that a
+    detected ``cpu`` becomes this machine's CPU kind (``cpu_kind()``) where ``directory`` holds
+    files for it; ``cpu`` then stays the files of the kind that made them first. An explicit
     ``--golden-platform`` is used as given (``--golden-platform cpu-avx2-amd --golden-update``
     makes a kind's files)."""
-    platform = detect_platform()
+    platform = detect_platform(device_type)
     if platform == "cpu" and not os.environ.get(ENV_PLATFORM):
         kind = cpu_kind()
         if (directory / kind).is_dir():
@@ -242,22 +257,30 @@ class Golden:
         # Only an explicit --golden-dir travels through the environment (the default is found
         # from the rootdir, which every rank's session shares): nothing is set behind a test's back.
         self.directory = pathlib.Path(os.environ.get(ENV_DIR) or request.config.rootpath / DEFAULT_DIR)
-        self.platform = resolve_platform(self.directory)
         self.update = os.environ.get(ENV_UPDATE) == "1"
 
-    def path(self, cell: str) -> pathlib.Path:
-        return self.directory / self.platform / f"{cell}.json"
+    def platform(self, device_type: str | None = None) -> str:
+        """The platform whose files a run on ``device_type`` compares with (``resolve_platform``);
+        without one, the test's process group decides (gloo: cpu), else the machine."""
+        return resolve_platform(self.directory, device_type or run_device_type())
+
+    def path(self, cell: str, device_type: str | None = None) -> pathlib.Path:
+        return self.directory / self.platform(device_type) / f"{cell}.json"
 
     def check(self, cell: str, series: dict[str, list[float]], tolerance: float | dict[str, float] = 0.0,
-              note: str = "") -> GoldenResult:
+              note: str = "", device: str | None = None) -> GoldenResult:
         """Compare ``series`` with the golden file of ``cell`` (or rewrite it under
         ``--golden-update``); record the comparison; fail on drift or a missing file.
         ``tolerance`` (relative, per series or one for all) is written into the file on update,
-        and its reason into ``note``: a reviewer sees both next to the numbers."""
+        and its reason into ``note``: a reviewer sees both next to the numbers. ``device`` (a
+        device or its type: "cpu", "cuda:0") is where the series were computed: a CPU run on a GPU
+        host compares with CPU files (default: the process group's backend, else the machine)."""
         tolerances = _tolerances(series, tolerance)
-        path = self.path(cell)
+        device_type = None if device is None else str(device).split(":", 1)[0]
+        platform = self.platform(device_type)
+        path = self.directory / platform / f"{cell}.json"
         stored = json.loads(path.read_text()) if path.exists() else None
-        result = GoldenResult(cell, self.platform, str(path), GOLDEN_MATCH,
+        result = GoldenResult(cell, platform, str(path), GOLDEN_MATCH,
                               golden_versions=dict(stored.get("versions", {})) if stored else {})
         for name, values in series.items():
             old = None if stored is None else stored["series"].get(name)
@@ -267,7 +290,7 @@ class Golden:
         if self.update:
             result.status = GOLDEN_UPDATED
             if _is_writer():
-                _write(path, cell, self.platform, series, tolerances, note)
+                _write(path, cell, platform, series, tolerances, note)
                 print(_change_summary(result, stored is None))
         elif stored is None:
             result.status = GOLDEN_MISSING
@@ -275,7 +298,7 @@ class Golden:
             result.status = GOLDEN_DRIFT
         self._request.node.user_properties.append((GOLDEN_PROPERTY, result.as_json()))
         if result.status == GOLDEN_MISSING:
-            pytest.fail(f"golden cell {cell!r} has no golden file for platform {self.platform!r} ({path}); make it "
+            pytest.fail(f"golden cell {cell!r} has no golden file for platform {platform!r} ({path}); make it "
                         f"with `python -m pytest -m golden --golden-update {self._request.node.nodeid}` (or the "
                         "whole golden tier), review the printed values and commit the file", pytrace=False)
         if result.status == GOLDEN_DRIFT:

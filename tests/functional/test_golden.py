@@ -46,7 +46,7 @@ def _cells(world: int) -> list[Any]:
 
 def _check(cell: Cell, dist_env: Any, golden: Any) -> None:
     golden.check(cell.name, run_cell(cell, dist_env.device), tolerance=CPU_TOLERANCE,
-                 note="CPU/gloo, one intra-op thread: deterministic, compared bit for bit")
+                 note="CPU/gloo, one intra-op thread: deterministic, compared bit for bit", device=dist_env.device)
 
 
 @pytest.mark.distributed(world_size=2)
@@ -75,7 +75,7 @@ def _check_gpu(cell: Cell, dist_env: Any, golden: Any, deterministic: bool) -> N
         torch.use_deterministic_algorithms(False)
     golden.check(cell.name, series, tolerance=GPU_TOLERANCE.get(cell.name, 0.0),
                  note=f"one GPU, deterministic algorithms {'on' if deterministic else 'off (TE)'}, "
-                      "CUBLAS_WORKSPACE_CONFIG=:4096:8")
+                      "CUBLAS_WORKSPACE_CONFIG=:4096:8", device=dist_env.device)
 
 
 @pytest.mark.requires_cuda
@@ -109,7 +109,7 @@ def test_a_learning_rate_change_of_1e_6_drifts(dist_env: Any, golden: Any, monke
 
     monkeypatch.delenv("HARNESS_GOLDEN_UPDATE", raising=False)
     cell = next(c for c in CELLS if c.name == "zero3")
-    stored = golden.path(cell.name)
+    stored = golden.path(cell.name, str(dist_env.device).split(":", 1)[0])
     if not stored.exists():
         pytest.fail(f"no golden file {stored}: make it with `python -m pytest -m golden --golden-update`")
     import json

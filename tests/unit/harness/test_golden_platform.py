@@ -40,3 +40,45 @@ def test_explicit_platform_is_used_as_given(cpu_only: None, tmp_path: pathlib.Pa
     (tmp_path / golden.cpu_kind()).mkdir()
     monkeypatch.setenv(golden.ENV_PLATFORM, "cpu")
     assert golden.resolve_platform(tmp_path) == "cpu"
+
+
+@pytest.fixture
+def gpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine that reports an H200 (the CPU-only test machine pretends)."""
+    import torch
+
+    monkeypatch.delenv("HARNESS_FORCE_CPU", raising=False)
+    monkeypatch.delenv(golden.ENV_PLATFORM, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+
+
+def test_gpu_host_uses_its_generation(gpu_host: None, tmp_path: pathlib.Path) -> None:
+    assert golden.resolve_platform(tmp_path) == "h200"
+    assert golden.resolve_platform(tmp_path, "cuda") == "h200"
+
+
+def test_cpu_run_on_a_gpu_host_uses_cpu_files(gpu_host: None, tmp_path: pathlib.Path) -> None:
+    """A gloo cell on a one-GPU host computes on the CPU: it compares with the CPU files (it
+    failed with "no golden file for platform 'h200'" before)."""
+    (tmp_path / "cpu").mkdir()
+    assert golden.resolve_platform(tmp_path, "cpu") == "cpu"
+    (tmp_path / golden.cpu_kind()).mkdir()
+    assert golden.resolve_platform(tmp_path, "cpu") == golden.cpu_kind()
+
+
+def test_explicit_platform_wins_over_the_device(gpu_host: None, tmp_path: pathlib.Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(golden.ENV_PLATFORM, "h200")
+    assert golden.resolve_platform(tmp_path, "cpu") == "h200"
+
+
+def test_run_device_type_follows_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert golden.run_device_type() is None
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for backend, want in (("gloo", "cpu"), ("nccl", "cuda"), ("cpu:gloo,cuda:nccl", "cuda")):
+        monkeypatch.setattr(dist, "get_backend", lambda *_, b=backend: b)
+        assert golden.run_device_type() == want, backend
