@@ -18,6 +18,7 @@ from .assembly import MeshArgs, wrap_model
 from .config import FSDPConfig
 from .dcp_optim_state import PlaceholderStateHook
 from .decoupled import check_decoupled_grad_consistency
+from .device import release_cached_memory
 from .discovery import UnitSpec, resolve_unit_classes
 from .engine import FSDPEngine
 from .graph_mode import check_optimizer_capturable
@@ -181,6 +182,8 @@ def fully_shard(
         cuda_graph_mode=cuda_graph_mode, maxpool_double_buffer=maxpool_double_buffer,
         offload_policy=offload_policy)
     remap_optimizer_params(optimizer, param_mapping(model))
+    # the optimizer held the user's original params until now: their memory is free only here
+    release_cached_memory(model._fsdp_engine.ctx.device)
     return model, fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt)
 
 

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .agreement import agreement_items, check_ranks_agree
 from .buffers import ParamAndGradBuffer
 from .config import FSDPConfig
-from .device import CommStreams, resolve_device
+from .device import CommStreams, release_cached_memory, resolve_device
 from .discovery import assign_params, find_unit_modules
 from .engine import FSDPEngine
 from .expert import resolve_expert_dims, split_experts
@@ -271,6 +271,7 @@ def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], config: F
         for p in unit.params:
             setattr(p.sharded, ENGINE_REF_ATTR, weakref.ref(engine))  # what fully_shard_optimizer finds
             p.release_orig()  # the user's unsharded tensors must not outlive the wrap
+    release_cached_memory(device)  # what the wrap freed must not fragment the first step's memory
     if logger.isEnabledFor(logging.DEBUG):
         _log_wrap(engine, ordinary.dims)
     return wrapper

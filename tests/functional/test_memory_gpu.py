@@ -128,3 +128,29 @@ def test_zero3_memory_matches_closed_form_world1(dist_env) -> None:
 @pytest.mark.matrix(mesh=axes.mesh(2))
 def test_zero3_memory_matches_closed_form_world2(dist_env) -> None:
     _check_memory(dist_env)
+
+
+@pytest.mark.distributed(world_size=1, timeout=300)
+@pytest.mark.matrix(mesh=axes.mesh(1))
+def test_wrap_hands_freed_memory_back(dist_env) -> None:
+    """The wrap frees the module's original params (here an fp32 model cast to bf16 on the GPU
+    first, as the bench builds it): ``fully_shard`` returns those cached blocks to the device
+    (``fsdp_impl.device.release_cached_memory``), so no segment of the caching allocator is left
+    wholly free for the first step's activations to split. Kept, they fragmented a 2.7B step
+    into an out-of-memory error with 9.2 GiB reserved but unallocated (``bench/RESULTS.md``)."""
+    device = dist_env.device
+    _warm_cublas(device)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = nn.Sequential(*[Block() for _ in range(LAYERS)])
+    model = model.to(torch.bfloat16)  # the fp32 storage is now cached, split by the bf16 copies
+    held_before = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    assert held_before > 64 * MIB, f"the cast left only {held_before / MIB:.1f} MiB cached: nothing to test"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = fully_shard(model, optimizer, zero_dp_strategy="optim_grads_params", fsdp_unit_modules=[Block])
+    free_segments = [s["total_size"] for s in torch.cuda.memory_snapshot() if s["allocated_size"] == 0]
+    assert not free_segments, (
+        f"after fully_shard {len(free_segments)} cached segments ({sum(free_segments) / MIB:.1f} MiB) hold no "
+        f"tensor (before the wrap {held_before / MIB:.1f} MiB were cached and unused): the wrap kept what it freed")
