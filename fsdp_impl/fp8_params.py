@@ -57,6 +57,10 @@ from .policy import MixedPrecisionPolicy, ShardingStrategy
 from .sharding import FlatLayout, shard_row_range
 
 _ALIGN = 16  # byte alignment of the two parts of a gather segment
+# Byte planes that alias the FP8 segment (one shard) must start this many bytes apart from its
+# start (which the CUDA caching allocator aligns to 512), so GEMM and transpose kernels see the
+# alignment standalone planes would have.
+_PLANE_ALIGN = 256
 MAIN_DTYPES = (torch.float32, torch.float64)
 
 
@@ -70,6 +74,10 @@ class Fp8Param(Protocol):
     shape: tuple[int, int]
 
     def planes(self) -> list[torch.Tensor]: ...
+
+    def alias(self, planes: list[torch.Tensor]) -> None:
+        """Make ``planes`` (views of the unit's FP8 segment) the param's byte planes for good:
+        ``release`` then frees nothing but what ``filled`` built (one shard: ``UnitFp8``)."""
 
     def filled(self, keep_transpose: bool) -> None: ...
 
@@ -95,9 +103,15 @@ class NativeFp8Param:
         # the plane as the FP8 dtype, built once: a view reads its storage's address at use, so it
         # stays valid while ``data`` is freed and re-allocated (``untyped_storage().resize_``)
         self._fp8_data = self.data.view(module.fp8_quantizers.weight.dtype)
+        self.aliased = False
 
     def planes(self) -> list[torch.Tensor]:
         return [self.data]
+
+    def alias(self, planes: list[torch.Tensor]) -> None:
+        (self.data,) = planes
+        self._fp8_data = self.data.view(self.module.fp8_quantizers.weight.dtype)
+        self.aliased = True
 
     def filled(self, keep_transpose: bool) -> None:
         if self.scale_inv is None:
@@ -111,7 +125,8 @@ class NativeFp8Param:
 
     def release(self, keep_transpose: bool) -> None:
         self.module.fp8_weight_slot.release(keep_transpose)
-        free_storage(self.data)
+        if not self.aliased:
+            free_storage(self.data)
 
     def has_transpose(self) -> bool:
         return self.module.fp8_weight_slot.has_transpose
@@ -212,6 +227,10 @@ class UnitFp8:
         self._planes = [data for f in fp8 for data in f.planes()]
         self._plane_nbytes = [data.numel() * data.element_size() for data in self._planes]
         self._plane_plan = self.fp8_layout.unpack_plan(self._planes)
+        # One shard: the requantisation already writes every plane's bytes into ``fp8_local``, so
+        # the planes become views of it for good (no per-gather resize, copy or free), where each
+        # starts at an aligned address; otherwise they are copied out like any gather.
+        self.aliased = num_shards == 1 and self._alias_planes()
         # This rank's part of a gather, with and without the FP8 bytes (fixed slices of ``_send``);
         # with one shard that part is the whole gather (``gather``), and ``unpack`` reads it through
         # views built once per form: (FP8 rows or None, the other params as ``[1, numel]`` compute dtype).
@@ -220,6 +239,16 @@ class UnitFp8:
         # Built on first use for the weight buffer they view (rebuilt if that tensor is replaced).
         self._items: tuple[torch.Tensor, list[QuantizeItem]] | None = None
         self._copies: tuple[torch.Tensor, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] | None = None
+
+    def _alias_planes(self) -> bool:
+        views = [self.fp8_layout.local_view(self.fp8_local, s, 0) for slots in self._plane_slots for s in slots]
+        base = self.fp8_local.data_ptr()  # the device allocator aligns it (CUDA: 512 bytes)
+        if any((v.data_ptr() - base) % _PLANE_ALIGN for v in views if v.numel()):
+            return False
+        for f, slots in zip(self.fp8_params, self._plane_slots, strict=True):
+            f.alias([views[s] for s in slots])
+        self._planes = views
+        return True
 
     def owns(self, p: ManagedParam) -> bool:
         return any(f.managed is p for f in self.fp8_params)
@@ -315,12 +344,14 @@ class UnitFp8:
         dtype, ``[n, segment]`` of ``other_layout``, maybe strided) for the unit to copy out."""
         fp8_rows, others = self._views(gathered, self._with_fp8)
         if fp8_rows is not None:
-            for data, nbytes in zip(self._planes, self._plane_nbytes, strict=True):
-                storage = data.untyped_storage()
-                if storage.size() != nbytes:
-                    storage.resize_(nbytes)
-            # every plane in one call (one kernel where the layout allows: ``unpack_all``)
-            self.fp8_layout.unpack_all(fp8_rows, self._planes, fused=not self.graph_mode, plan=self._plane_plan)
+            if not self.aliased:  # (aliased planes already hold the bytes: they are ``fp8_rows``)
+                for data, nbytes in zip(self._planes, self._plane_nbytes, strict=True):
+                    storage = data.untyped_storage()
+                    if storage.size() != nbytes:
+                        storage.resize_(nbytes)
+                # every plane in one call (one kernel where the layout allows: ``unpack_all``)
+                self.fp8_layout.unpack_all(fp8_rows, self._planes, fused=not self.graph_mode,
+                                           plan=self._plane_plan)
             for kind, params in self._by_kind.items():  # looked up per call: bench.host_profile times FILL
                 FILL[kind](params, self.keep_transpose)
         return others, self.other_layout, self.other_params

@@ -96,6 +96,7 @@ class TeFp8Param:
         self.shape = (managed.layout_shape[0], managed.layout_shape[1])
         self.fields, self.transpose_plane = fields, transpose_plane
         self.storage: list[torch.Tensor] = []
+        self.aliased = False  # the planes are views of the unit's FP8 segment (``alias``)
         for field in fields:
             data = getattr(tensor, field)
             if data is None or tuple(data.shape) != self.shape or data.dtype != torch.uint8:
@@ -115,6 +116,12 @@ class TeFp8Param:
     def planes(self) -> list[torch.Tensor]:
         return self.storage
 
+    def alias(self, planes: list[torch.Tensor]) -> None:
+        """The byte planes become ``planes`` for good (``UnitFp8`` with one shard); the module's
+        own bytes are dropped (the requantisation writes the views before any forward)."""
+        self.storage, self.aliased = list(planes), True
+        self.attach()
+
     def attach(self) -> None:
         """Point the tensor's byte planes at the engine's storage (freed or not)."""
         for field, data in zip(self.fields, self.storage, strict=True):
@@ -129,8 +136,10 @@ class TeFp8Param:
         fill_te([self], keep_transpose)
 
     def release(self, keep_transpose: bool) -> None:
+        """Free the gathered bytes (aliased planes stay: they are the persistent FP8 shard) and,
+        without ``keep_transpose``, the transposes ``filled`` built."""
         for plane, (field, data) in enumerate(zip(self.fields, self.storage, strict=True)):
-            if keep_transpose and plane == self.transpose_plane:
+            if self.aliased or (keep_transpose and plane == self.transpose_plane):
                 continue
             free_storage(data)
             setattr(self.tensor, field, None)

@@ -211,6 +211,24 @@ def test_fp8_gather_bits_one_rank(recipe: str, dist_env) -> None:
     assert fp8_losses == bf16_losses == kept_losses, (fp8_losses, bf16_losses, kept_losses)
 
 
+@W1
+@pytest.mark.matrix(mesh=axes.mesh(1), recipe="current")
+def test_one_rank_fp8_planes_alias_the_shard(dist_env) -> None:
+    """One rank: every FP8 param's byte planes are views of its unit's persistent FP8 segment,
+    which the requantisation writes, so no forward copies or allocates them and a reshard keeps
+    them (``UnitFp8.aliased``); the test above checks their bytes train bit for bit."""
+    model, opt = ft.wrap(ft.build("current"))
+    ft.train_fsdp(model, opt, dist_env.rank, 1, 1, dist_env.device)  # after a reshard: still in place
+    units = [u for u in model._fsdp_engine.units if u.fp8 is not None]
+    assert units
+    for u in units:
+        assert u.fp8.aliased, u.name
+        segment = u.fp8.fp8_local.untyped_storage()
+        for plane in u.fp8._planes:
+            assert plane.untyped_storage().data_ptr() == segment.data_ptr(), u.name
+            assert plane.untyped_storage().size() == segment.size() > 0, u.name
+
+
 def _unpacked(unit, gathered: torch.Tensor) -> list[torch.Tensor]:
     """Copies of what ``unpack`` gives for ``gathered``: the FP8 planes' bytes, the other params."""
     others, _, _ = unit.fp8.unpack(gathered)
