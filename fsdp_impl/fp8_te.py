@@ -118,7 +118,10 @@ class TeFp8Param:
 
     def alias(self, planes: list[torch.Tensor]) -> None:
         """The byte planes become ``planes`` for good (``UnitFp8`` with one shard); the module's
-        own bytes are dropped (the requantisation writes the views before any forward)."""
+        own bytes are freed, as a reshard freed them before (the requantisation writes the views
+        before any forward; dropping the reference alone left 1.1 GiB of a 1.3B model alive)."""
+        for old in self.storage:
+            free_storage(old)
         self.storage, self.aliased = list(planes), True
         self.attach()
 
