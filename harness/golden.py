@@ -264,11 +264,12 @@ class Golden:
         without one, the test's process group decides (gloo: cpu), else the machine."""
         return resolve_platform(self.directory, device_type or run_device_type())
 
-    def path(self, cell: str, device_type: str | None = None) -> pathlib.Path:
-        return self.directory / self.platform(device_type) / f"{cell}.json"
+    def path(self, cell: str, device: object = None) -> pathlib.Path:
+        """The golden file of ``cell`` for a run on ``device`` (as in ``check``)."""
+        return self.directory / self.platform(_device_type(device)) / f"{cell}.json"
 
     def check(self, cell: str, series: dict[str, list[float]], tolerance: float | dict[str, float] = 0.0,
-              note: str = "", device: str | None = None) -> GoldenResult:
+              note: str = "", device: object = None) -> GoldenResult:
         """Compare ``series`` with the golden file of ``cell`` (or rewrite it under
         ``--golden-update``); record the comparison; fail on drift or a missing file.
         ``tolerance`` (relative, per series or one for all) is written into the file on update,
@@ -276,9 +277,8 @@ class Golden:
         device or its type: "cpu", "cuda:0") is where the series were computed: a CPU run on a GPU
         host compares with CPU files (default: the process group's backend, else the machine)."""
         tolerances = _tolerances(series, tolerance)
-        device_type = None if device is None else str(device).split(":", 1)[0]
-        platform = self.platform(device_type)
-        path = self.directory / platform / f"{cell}.json"
+        path = self.path(cell, device)
+        platform = path.parent.name
         stored = json.loads(path.read_text()) if path.exists() else None
         result = GoldenResult(cell, platform, str(path), GOLDEN_MATCH,
                               golden_versions=dict(stored.get("versions", {})) if stored else {})
@@ -304,6 +304,11 @@ class Golden:
         if result.status == GOLDEN_DRIFT:
             pytest.fail(_drift_message(result), pytrace=False)
         return result
+
+
+def _device_type(device: object) -> str | None:
+    """``"cpu"`` / ``"cuda"`` of a ``torch.device`` or device string ("cuda:0"); None for None."""
+    return None if device is None else str(device).split(":", 1)[0]
 
 
 def _is_writer() -> bool:

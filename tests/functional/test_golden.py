@@ -109,7 +109,7 @@ def test_a_learning_rate_change_of_1e_6_drifts(dist_env: Any, golden: Any, monke
 
     monkeypatch.delenv("HARNESS_GOLDEN_UPDATE", raising=False)
     cell = next(c for c in CELLS if c.name == "zero3")
-    stored = golden.path(cell.name, str(dist_env.device).split(":", 1)[0])
+    stored = golden.path(cell.name, dist_env.device)
     if not stored.exists():
         pytest.fail(f"no golden file {stored}: make it with `python -m pytest -m golden --golden-update`")
     import json
