@@ -351,7 +351,25 @@ def _drift_message(result: GoldenResult) -> str:
         parts.append(f"{name}: first drift at step {step} (run {got!r}, golden {want!r}), max relative drift "
                      f"{d.max_rel_drift:.3g} > tolerance {d.tolerance:g}")
     return (f"golden cell {result.cell!r} drifted from {result.path} ({result.platform}): " + "; ".join(parts)
-            + ". If the change is intended, rerun with --golden-update and explain the diff in the commit")
+            + ". If the change is intended, rerun with --golden-update and explain the diff in the commit"
+            + _toolchain_note(result.golden_versions, versions()))
+
+
+# What the numbers depend on besides our code: a drift under another of these is expected.
+TOOLCHAIN_KEYS = ("torch", "cuda", "nccl", "transformer_engine")
+
+
+def _toolchain_note(made_with: dict[str, str], now: dict[str, str]) -> str:
+    """Names the toolchain differences between the golden file and this run (seen: CPU cells on
+    a GPU host with torch 2.11 drift by up to 8e-6 from files made with torch 2.13), so a drift
+    from another toolchain is not read as a regression of the code."""
+    diffs = [f"{k} {made_with[k]} (this run {now.get(k, 'absent')})" for k in TOOLCHAIN_KEYS
+             if k in made_with and made_with[k] != now.get(k, "absent")]
+    if not diffs:
+        return ""
+    return (". The file was made with " + ", ".join(diffs) + ": another toolchain changes the kernels, "
+            "so compare on the toolchain that made the file, or make and review files of a platform of "
+            "this machine's own (--golden-platform NAME --golden-update)")
 
 
 @pytest.fixture

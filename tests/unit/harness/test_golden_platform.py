@@ -82,3 +82,13 @@ def test_run_device_type_follows_the_process_group(monkeypatch: pytest.MonkeyPat
     for backend, want in (("gloo", "cpu"), ("nccl", "cuda"), ("cpu:gloo,cuda:nccl", "cuda")):
         monkeypatch.setattr(dist, "get_backend", lambda *_, b=backend: b)
         assert golden.run_device_type() == want, backend
+
+
+def test_drift_names_a_different_toolchain() -> None:
+    """A drift against a file made with another torch says so (CPU cells on the H200 host, torch
+    2.11, drifted by up to 8e-6 from files made with torch 2.13); the same toolchain adds nothing."""
+    made = {"torch": "2.13.0+cpu", "cuda": "None", "git": "abc"}
+    note = golden._toolchain_note(made, {"torch": "2.11.0+cu130", "cuda": "13.0", "git": "def"})
+    assert "torch 2.13.0+cpu (this run 2.11.0+cu130)" in note and "cuda None (this run 13.0)" in note
+    assert "git" not in note
+    assert golden._toolchain_note(made, {"torch": "2.13.0+cpu", "cuda": "None", "git": "def"}) == ""
