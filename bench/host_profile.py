@@ -3,6 +3,7 @@
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     python -m bench.host_profile --impls ours-z3,ours-fp8-te-current     # FP8 TE cells need TransformerEngine
     python -m bench.host_profile --impls ours-fp8-te-current --hooks     # per-hook host ms per step, no cProfile
+    python -m bench.host_profile --impls ours-z3,te-fp8-ref --phases     # host ms per phase: host-bound or not
 
 A step is host-bound when the GPU waits for the launches; ``bench.trace`` shows the idle GPU
 time, this shows which Python functions fill it. Per implementation (``bench.impls`` plus the FP8
@@ -11,6 +12,12 @@ sync after each (wall ms per step), then the same number of steps under ``cProfi
 slows Python, so compare functions with each other, not with the wall time), printed as the
 ``--top`` functions by own time and by cumulative time (rank 0). All implementations run in one
 process, one after the other; for throughput and memory use ``bench.suite``, which isolates them.
+
+``--phases`` replaces it with the host time to issue the forward, the backward and the optimizer
+step of a step started on an idle device (a sync before it), the forward's main-thread CPU time
+and the step's wall time to a sync after it (medians over ``--steps``): a step whose host time
+comes near its wall time is host-bound, so its speed follows the machine's CPU (two H200
+machines took 83 and 50 ms to issue the same 1.3B FP8 forward).
 
 ``--hooks`` replaces the cProfile pass with a table of the engine's FP8 hooks (and its hook entry
 points, for scale): per step the calls and the host milliseconds spent inside each (wall clock and
@@ -34,6 +41,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from bench import cli, fp8_bench, impls, runtime
@@ -167,8 +175,57 @@ def hook_table(env: Env, trainee: impls.Trainee, steps: int) -> str:
     return "\n".join(out)
 
 
+@dataclass(frozen=True)
+class Phases:
+    """Medians over steps, in ms: host time to issue each phase with the launch queue empty at the
+    start of the step (a device sync before it), the main thread's CPU time in the forward, and
+    the step's wall time up to a device sync after it."""
+
+    forward: float
+    forward_cpu: float
+    backward: float
+    optimizer: float
+    step: float
+
+    @property
+    def host(self) -> float:
+        return self.forward + self.backward + self.optimizer
+
+    def line(self, name: str) -> str:
+        bound = ("host-bound: the device waits for launches" if self.host >= 0.9 * self.step
+                 else "device-bound" if self.host <= 0.6 * self.step else "in between")
+        return (f"| {name} | {self.forward:.1f} | {self.forward_cpu:.1f} | {self.backward:.1f} | "
+                f"{self.optimizer:.1f} | {self.host:.1f} | {self.step:.1f} | {bound} |")
+
+
+PHASE_HEADER = ("| implementation | forward | of it main-thread CPU | backward | optimizer | host, all | "
+                "step to sync | reading |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+
+
+def phase_times(env: Env, trainee: impls.Trainee, steps: int) -> Phases:
+    """Host issue time of forward, backward and optimizer step, each step started on an idle
+    device. A forward whose main-thread CPU time equals its wall time computed all along (Python
+    and launches); less means it waited (a sync, a lock). Host time near the synchronised step
+    means the device waited for the host; compare machines by it, since host-bound steps follow
+    the host's speed."""
+    rows = []
+    for _ in range(steps):
+        runtime.sync(env)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        loss = trainee.forward_loss()
+        t1, c1 = time.perf_counter(), time.thread_time()
+        trainee.backward(loss)
+        t2 = time.perf_counter()
+        trainee.optimizer_step()
+        t3 = time.perf_counter()
+        runtime.sync(env)
+        rows.append((t1 - t0, c1 - c0, t2 - t1, t3 - t2, time.perf_counter() - t0))
+    med = [1e3 * statistics.median(col) for col in zip(*rows, strict=True)]
+    return Phases(*med)
+
+
 def run_one(env: Env, name: str, size: str, micro_batch: int, warmup: int, steps: int, top: int,
-            hooks: bool = False, dtensor_step: bool = False) -> None:
+            hooks: bool = False, dtensor_step: bool = False, phases: bool = False) -> None:
     trainee = impls.build(name, impls.SIZES[size], env, micro_batch)
     if dtensor_step and hasattr(trainee.optimizer, "_fsdp_local_step"):
         trainee.optimizer._fsdp_local_step = None  # the DTensor optimizer step, for comparison
@@ -176,6 +233,14 @@ def run_one(env: Env, name: str, size: str, micro_batch: int, warmup: int, steps
     for _ in range(warmup):
         trainee.step()
     runtime.sync(env)
+    if phases:
+        line = phase_times(env, trainee, steps).line(name)
+        if env.rank == 0:
+            print(f"\n==== {name}, {size}, world {env.world}: host ms per phase, medians of {steps} steps\n"
+                  f"{PHASE_HEADER}\n{line}", flush=True)
+        del trainee
+        runtime.free_memory(env)
+        return
     wall = _wall_ms(env, trainee, steps)
     if hooks:
         table = hook_table(env, trainee, steps)
@@ -209,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=40, help="functions listed per table")
     p.add_argument("--hooks", action="store_true",
                    help="instead of cProfile: host ms per step in each FP8 hook and engine entry point")
+    p.add_argument("--phases", action="store_true",
+                   help="instead of cProfile: host ms to issue forward, backward and optimizer step from an idle "
+                        "device, against the synchronised step (is the step host-bound on this machine?)")
     p.add_argument("--dtensor-step", action="store_true",
                    help="also run each implementation with its optimizer stepping on DTensors (no local-shard step)")
     cli.add_run_flags(p, fake_world=False)
@@ -218,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.impls:
             for dtensor_step in (False, True) if args.dtensor_step else (False,):
                 run_one(env, name, args.size, args.micro_batch, args.warmup, args.steps, args.top, args.hooks,
-                        dtensor_step)
+                        dtensor_step, args.phases)
     return cli.with_env(args.device, body)
 
 

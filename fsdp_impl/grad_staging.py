@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .sharding import FlatLayout
+from .sharding import FlatLayout, PackPlan
 
 
 class GradStaging:
@@ -38,6 +38,7 @@ class GradStaging:
         self._accumulator: torch.Tensor | None = None
         self._accumulator_dirty = False  # persistent: holds grads that were already reduced
         self._held: list[torch.Tensor] = []
+        self._plan: PackPlan | None = None  # one shard: views of the last long-lived pack target
 
     def _zeros(self, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(self.numel, dtype=dtype, device=self.device)
@@ -58,8 +59,11 @@ class GradStaging:
     def take_pending(self, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """This backward's stashed grads packed into one buffer in ``dtype`` (zeros where no grad
         arrived, so every rank still joins the reduction); the stash is emptied. ``out``: pack
-        into it (``numel`` elements of ``dtype``) instead of a buffer of the staging's own."""
+        into it (``numel`` elements of ``dtype``) instead of a buffer of the staging's own; a
+        buffer that outlives the call (the unit's grad buffer), since its one-shard views are
+        kept for the next pack into it."""
         grads, self._stash = self._stash, [None] * len(self._stash)
+        given = out is not None
         if out is None:
             out = self._own_buffer(dtype)
         arrived = [g for g in grads if g is not None]
@@ -75,8 +79,17 @@ class GradStaging:
         else:
             fulls = [g.to(src) if g is not None else torch.zeros(slot.shape, dtype=src, device=self.device)
                      for g, slot in zip(grads, self.layout.slots, strict=True)]
-        self.layout.pack_all(out, fulls, fused=not self.persistent)  # see FlatLayout.pack_all
+        self.layout.pack_all(out, fulls, fused=not self.persistent,  # see FlatLayout.pack_all
+                             plan=self._pack_plan(out) if given or self.persistent else None)
         return out
+
+    def _pack_plan(self, out: torch.Tensor) -> PackPlan | None:
+        """The one-shard views of ``out``, kept while ``out`` stays the target: only for buffers that
+        outlive the pack (the caller's grad buffer, a persistent pack buffer), since the plan holds
+        them; a fresh pack buffer is neither planned nor kept."""
+        if self._plan is None or self._plan.out is not out:
+            self._plan = self.layout.pack_plan(out)
+        return self._plan
 
     # ------------------------------------------------------------------ ZeRO-0/1
     def accumulator(self) -> torch.Tensor:

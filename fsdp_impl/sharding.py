@@ -101,7 +101,8 @@ class FlatLayout:
         else:
             dst.copy_(src)
 
-    def pack_all(self, out: torch.Tensor, fulls: Sequence[torch.Tensor], fused: bool = True) -> None:
+    def pack_all(self, out: torch.Tensor, fulls: Sequence[torch.Tensor], fused: bool = True,
+                 plan: PackPlan | None = None) -> None:
         """Copy one full tensor per slot (same dtype; ``out`` may be wider) into ``out``
         ([num_shards, segment]), writing every element (padding as zeros).
 
@@ -113,9 +114,16 @@ class FlatLayout:
         ``_foreach_zero_`` over the (param, shard) pieces (``pieces``), whose addresses travel
         as kernel arguments. Empty params occupy no space and are left out (``_chunk_cat``
         refuses empty tensors). One shard (world 1) has no padding and one range per parameter:
-        one multi-tensor copy (``_solo_pairs``), whatever ``fused`` says."""
+        one multi-tensor copy, whatever ``fused`` says (``plan``: ``pack_plan(out)`` made earlier,
+        whose views of ``out`` are used when ``fulls`` have their slots' shapes; else
+        ``_solo_pairs``)."""
         segments = out.view(self.num_shards, self.segment_numel)
         if self.num_shards == 1:
+            if plan is not None and plan.out is out:
+                srcs = [fulls[i] for i in plan.slots]
+                if all(src.shape == view.shape for src, view in zip(srcs, plan.views, strict=True)):
+                    _copy_lists(plan.views, srcs)
+                    return
             _copy_lists(*self._solo_pairs(segments[0], fulls, into_segment=True))
             return
         if not fused:
@@ -157,11 +165,17 @@ class FlatLayout:
         not split evenly has no [num_shards, padded] view, so it lands in a temporary first).
         ``plan``: ``unpack_plan(fulls)`` made earlier for these very tensors (a unit keeps it, so
         the views are not rebuilt every gather). ``fused=False`` (CUDA-graph mode, see
-        ``pack_all``): ``_foreach_copy_`` over the pieces. One shard: one multi-tensor copy
-        (``_solo_pairs``), which may also cast (``src`` in another dtype than ``fulls``)."""
+        ``pack_all``): ``_foreach_copy_`` over the pieces. One shard: one multi-tensor copy per
+        dtype of ``fulls`` (the plan's flat views, else ``_solo_pairs``), which may also cast
+        (``src`` in another dtype than ``fulls``)."""
         n = self.num_shards
         segments = src.view(n, self.segment_numel)
         if n == 1:
+            if plan is not None and plan.solo is not None:
+                ranges = segments[0].split_with_sizes(self.split_sizes)  # one call for every view
+                for slots, dsts in plan.solo:
+                    torch._foreach_copy_(dsts, [ranges[i] for i in slots])
+                return
             _copy_lists(*self._solo_pairs(segments[0], fulls, into_segment=False))
             return
         if not fused:
@@ -194,11 +208,21 @@ class FlatLayout:
         71 us for ``split_with_sizes_copy`` and 270 us for ``_chunk_cat`` casting bf16 to fp32
         (which also loads its metadata through a pinned host buffer)."""
         views, others = [], []
-        for slot, full in zip(self.slots, fulls, strict=True):
+        pieces = row.split_with_sizes(self.split_sizes)  # one call instead of a narrow per param
+        for slot, piece, full in zip(self.slots, pieces, fulls, strict=True):
             if slot.padded_numel:
-                views.append(row.narrow(0, slot.offset, slot.padded_numel).view(full.shape))
+                views.append(piece.view(full.shape))
                 others.append(full)
         return (views, others) if into_segment else (others, views)
+
+    def pack_plan(self, out: torch.Tensor) -> PackPlan | None:
+        """One shard: the views ``pack_all`` writes through for this very ``out`` (a buffer that
+        outlives the plan: the plan holds it), one per non-empty slot in its shape; None otherwise."""
+        if self.num_shards != 1:
+            return None
+        pieces = out.view(self.segment_numel).split_with_sizes(self.split_sizes)
+        slots = [i for i, slot in enumerate(self.slots) if slot.padded_numel]
+        return PackPlan(out, slots, [pieces[i].view(self.slots[i].shape) for i in slots])
 
     def unpack_plan(self, fulls: Sequence[torch.Tensor]) -> UnpackPlan:
         """Per slot the ``[num_shards, padded]`` view of its full tensor that ``unpack_all``
@@ -210,7 +234,31 @@ class FlatLayout:
             even = slot.padded_numel * self.num_shards == full.numel()
             outs.append(full.view(self.num_shards, slot.padded_numel) if even and full.is_contiguous() else None)
         dense = [o for o in outs if o is not None]
-        return UnpackPlan(outs, dense if len(dense) == len(outs) else None)
+        return UnpackPlan(outs, dense if len(dense) == len(outs) else None, self._solo_plan(fulls))
+
+    def _solo_plan(self, fulls: Sequence[torch.Tensor]) -> list[tuple[list[int], list[torch.Tensor]]] | None:
+        """One shard: per dtype of ``fulls``, the non-empty slots' indices and their tensors as flat
+        views, so an unpack is one ``split_with_sizes`` of the segment plus one ``_foreach_copy_``
+        per dtype (a world-1 unit unshards twice a step, and building a view per parameter each
+        time was most of its host time); None where a tensor is not contiguous (no flat view)."""
+        if self.num_shards != 1 or not all(f.is_contiguous() for f in fulls):
+            return None
+        groups: dict[torch.dtype, tuple[list[int], list[torch.Tensor]]] = {}
+        for i, (slot, full) in enumerate(zip(self.slots, fulls, strict=True)):
+            if slot.padded_numel:
+                slots, dsts = groups.setdefault(full.dtype, ([], []))
+                slots.append(i)
+                dsts.append(full.view(-1))
+        return list(groups.values())
+
+
+@dataclass
+class PackPlan:
+    """Where a one-shard ``FlatLayout.pack_all`` into ``out`` writes (``FlatLayout.pack_plan``)."""
+
+    out: torch.Tensor
+    slots: list[int]  # the non-empty slots
+    views: list[torch.Tensor]  # each one's range of ``out``, in the slot's shape
 
 
 @dataclass
@@ -219,6 +267,8 @@ class UnpackPlan:
 
     outs: list[torch.Tensor | None]
     dense: list[torch.Tensor] | None  # every view, when each parameter has one (no temporaries)
+    # one shard: (slot indices, flat views of their tensors) per dtype (``FlatLayout._solo_plan``)
+    solo: list[tuple[list[int], list[torch.Tensor]]] | None = None
 
 
 def _copy_lists(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

@@ -130,3 +130,40 @@ def test_bad_arguments() -> None:
         shard_row_range(3, 2, 2)
     with pytest.raises(ValueError, match="0-dim"):
         FlatLayout([()], 2)
+
+
+def test_one_shard_plans_copy_like_the_plain_path() -> None:
+    """World 1 with the plans a unit keeps: an unpack through ``unpack_plan``'s flat views and a
+    pack through ``pack_plan``'s views of a fixed buffer give exactly the plain copies' values
+    (casting, an empty param, two dtypes among the targets); a plan for another buffer, or grads
+    not in their slots' shapes, fall back to the plain path instead of writing wrong ranges."""
+    shapes = [(3, 4), (0, 2), (5,), (2, 3)]
+    layout = FlatLayout(shapes, 1)
+    src = torch.randn(layout.total_numel)
+    dtypes = [torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16]
+    planned = [torch.full(s, float("nan"), dtype=d) for s, d in zip(shapes, dtypes, strict=True)]
+    plain = [t.clone() for t in planned]
+    plan = layout.unpack_plan(planned)
+    assert plan.solo is not None and sorted(len(slots) for slots, _ in plan.solo) == [1, 2]
+    layout.unpack_all(src, planned, plan=plan)
+    layout.unpack_all(src, plain)
+    for a, b in zip(planned, plain, strict=True):
+        assert torch.equal(a, b)
+    # a non-contiguous target has no flat view: no plan, the plain path
+    assert layout.unpack_plan([planned[0].t(), *planned[1:]]).solo is None
+
+    grads = [torch.randn(s, dtype=torch.bfloat16) for s in shapes]
+    out = torch.full((layout.total_numel,), float("nan"))
+    pack = layout.pack_plan(out)
+    assert pack is not None and pack.slots == [0, 2, 3]
+    layout.pack_all(out, grads, plan=pack)
+    expected = torch.cat([g.reshape(-1).float() for g in grads])
+    assert torch.equal(out, expected)
+    other = torch.full((layout.total_numel,), float("nan"))
+    layout.pack_all(other, grads, plan=pack)  # the plan is for ``out``: not used
+    assert torch.equal(other, expected)
+    flat = [g.reshape(-1) for g in grads]  # same numel, other shapes: the views do not fit
+    out.fill_(float("nan"))
+    layout.pack_all(out, flat, plan=pack)
+    assert torch.equal(out, expected)
+    assert FlatLayout(shapes, 2).pack_plan(torch.zeros(2 * FlatLayout(shapes, 2).segment_numel)) is None

@@ -82,3 +82,22 @@ def test_clear_drops_unsynced_grads(persistent: bool) -> None:
     assert s.accumulator().tolist() == [0.0, 0.0]
     assert (s.accumulator() is acc) == persistent
     assert len(s.tensors()) == 1
+
+
+def test_pack_plan_kept_only_for_buffers_that_outlive_the_pack() -> None:
+    """One shard: packing into the caller's buffer keeps its views for the next pack (same values
+    as without); a transient buffer of the staging's own is not planned, so nothing holds it
+    after the reducer let go of it."""
+    layout = FlatLayout([(2, 2), (3,)], 1)
+    s = GradStaging(layout, torch.float32, CPU, False)
+    target = torch.full((layout.total_numel,), float("nan"))
+    for step in range(2):
+        s.stash(0, torch.full((2, 2), float(step + 1)))
+        s.stash(1, torch.arange(3.0))
+        assert s.take_pending(torch.float32, out=target) is target
+        assert target.tolist() == [float(step + 1)] * 4 + [0.0, 1.0, 2.0]
+        assert s._plan is not None and s._plan.out is target
+    transient = GradStaging(layout, torch.float32, CPU, False)
+    transient.stash(1, torch.ones(3))
+    assert transient.take_pending(torch.float32).tolist() == [0.0] * 4 + [1.0] * 3
+    assert transient._plan is None

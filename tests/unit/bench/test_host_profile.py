@@ -1,0 +1,54 @@
+"""bench/host_profile.py ``--phases``: each phase's host time is measured where it runs, the
+forward's CPU time tells computing from waiting, and the reading follows host against step time."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from bench import host_profile
+from bench.runtime import Env
+
+
+def _spin(seconds: float) -> None:
+    """Compute for ``seconds`` of this thread's CPU time (so at least as much wall time)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class _Trainee:
+    """Phases with known host costs: the forward computes 30 ms then sleeps 20 ms (waiting, no
+    CPU), the backward computes 15 ms, the optimizer 5 ms."""
+
+    def forward_loss(self) -> torch.Tensor:
+        _spin(0.030)
+        time.sleep(0.020)
+        return torch.zeros(())
+
+    def backward(self, loss: Any) -> None:
+        _spin(0.015)
+
+    def optimizer_step(self) -> None:
+        _spin(0.005)
+
+
+def test_phase_times_measure_each_phase() -> None:
+    env = Env(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+    p = host_profile.phase_times(env, _Trainee(), steps=3)  # type: ignore[arg-type]
+    # only lower bounds, each exact (CPU spins and sleeps last at least that long), so a loaded
+    # machine cannot fail it; a phase timed in another's slot breaks one of them
+    assert p.forward >= 50 and p.forward_cpu >= 30
+    assert p.forward - p.forward_cpu >= 19  # the sleep: wall time without CPU time
+    assert p.backward >= 15 and p.optimizer >= 5
+    assert p.step >= p.host
+    assert "host-bound" in p.line("x")  # no device: the host is all there is
+
+
+def test_reading_follows_host_against_step() -> None:
+    device_bound = host_profile.Phases(forward=10, forward_cpu=10, backward=10, optimizer=5, step=100)
+    assert "device-bound" in device_bound.line("a")
+    between = host_profile.Phases(forward=30, forward_cpu=30, backward=30, optimizer=10, step=100)
+    assert "in between" in between.line("b")
+    assert host_profile.PHASE_HEADER.splitlines()[0].count("|") == between.line("b").count("|")
