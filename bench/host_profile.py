@@ -185,11 +185,8 @@ class Phases:
     forward_cpu: float
     backward: float
     optimizer: float
+    host: float  # the three phases together (median of the per-step sums)
     step: float
-
-    @property
-    def host(self) -> float:
-        return self.forward + self.backward + self.optimizer
 
     def line(self, name: str) -> str:
         bound = ("host-bound: the device waits for launches" if self.host >= 0.9 * self.step
@@ -219,9 +216,27 @@ def phase_times(env: Env, trainee: impls.Trainee, steps: int) -> Phases:
         trainee.optimizer_step()
         t3 = time.perf_counter()
         runtime.sync(env)
-        rows.append((t1 - t0, c1 - c0, t2 - t1, t3 - t2, time.perf_counter() - t0))
+        rows.append((t1 - t0, c1 - c0, t2 - t1, t3 - t2, t3 - t0, time.perf_counter() - t0))
     med = [1e3 * statistics.median(col) for col in zip(*rows, strict=True)]
     return Phases(*med)
+
+
+def _report(env: Env, trainee: impls.Trainee, name: str, steps: int, top: int, hooks: bool, phases: bool) -> str:
+    """What ``run_one`` prints for one implementation (every rank runs the same steps)."""
+    if phases:
+        line = phase_times(env, trainee, steps).line(name)
+        return f"host ms per phase, medians of {steps} steps\n{PHASE_HEADER}\n{line}"
+    wall = _wall_ms(env, trainee, steps)
+    head = f"wall ms/step median {statistics.median(wall):.2f} (min {min(wall):.2f}, max {max(wall):.2f})"
+    if hooks:
+        return f"{head}; host time per hook, {steps} steps\n{hook_table(env, trainee, steps)}"
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        trainee.step()
+    runtime.sync(env)
+    prof.disable()
+    return f"{head}\n{_stats(prof, 'tottime', top, steps)}\n{_stats(prof, 'cumulative', top, steps)}"
 
 
 def run_one(env: Env, name: str, size: str, micro_batch: int, warmup: int, steps: int, top: int,
@@ -233,34 +248,9 @@ def run_one(env: Env, name: str, size: str, micro_batch: int, warmup: int, steps
     for _ in range(warmup):
         trainee.step()
     runtime.sync(env)
-    if phases:
-        line = phase_times(env, trainee, steps).line(name)
-        if env.rank == 0:
-            print(f"\n==== {name}, {size}, world {env.world}: host ms per phase, medians of {steps} steps\n"
-                  f"{PHASE_HEADER}\n{line}", flush=True)
-        del trainee
-        runtime.free_memory(env)
-        return
-    wall = _wall_ms(env, trainee, steps)
-    if hooks:
-        table = hook_table(env, trainee, steps)
-        if env.rank == 0:
-            print(f"\n==== {name}, {size}, world {env.world}: wall ms/step median {statistics.median(wall):.2f} "
-                  f"(min {min(wall):.2f}, max {max(wall):.2f}); host time per hook, {steps} steps\n{table}", flush=True)
-        del trainee
-        runtime.free_memory(env)
-        return
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        trainee.step()
-    runtime.sync(env)
-    prof.disable()
+    text = _report(env, trainee, name, steps, top, hooks, phases)
     if env.rank == 0:
-        print(f"\n==== {name}, {size}, world {env.world}: wall ms/step median {statistics.median(wall):.2f} "
-              f"(min {min(wall):.2f}, max {max(wall):.2f})", flush=True)
-        print(_stats(prof, "tottime", top, steps), flush=True)
-        print(_stats(prof, "cumulative", top, steps), flush=True)
+        print(f"\n==== {name}, {size}, world {env.world}: {text}", flush=True)
     del trainee
     runtime.free_memory(env)
 

@@ -42,13 +42,15 @@ def test_phase_times_measure_each_phase() -> None:
     assert p.forward >= 50 and p.forward_cpu >= 30
     assert p.forward - p.forward_cpu >= 19  # the sleep: wall time without CPU time
     assert p.backward >= 15 and p.optimizer >= 5
-    assert p.step >= p.host
+    assert p.host >= 70 and p.step >= p.host  # medians of per-step sums: each step's wall covers its phases
     assert "host-bound" in p.line("x")  # no device: the host is all there is
 
 
 def test_reading_follows_host_against_step() -> None:
-    device_bound = host_profile.Phases(forward=10, forward_cpu=10, backward=10, optimizer=5, step=100)
+    device_bound = host_profile.Phases(forward=10, forward_cpu=10, backward=10, optimizer=5, host=25, step=100)
     assert "device-bound" in device_bound.line("a")
-    between = host_profile.Phases(forward=30, forward_cpu=30, backward=30, optimizer=10, step=100)
+    bound = host_profile.Phases(forward=40, forward_cpu=40, backward=45, optimizer=10, host=95, step=100)
+    assert "host-bound" in bound.line("c")
+    between = host_profile.Phases(forward=30, forward_cpu=30, backward=30, optimizer=10, host=70, step=100)
     assert "in between" in between.line("b")
     assert host_profile.PHASE_HEADER.splitlines()[0].count("|") == between.line("b").count("|")
