@@ -213,10 +213,15 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
          _ceiling, torch.float32, True, persistent_bytes=lambda w: 16.0),
 )}
 DEFAULT_IMPLS = tuple(IMPLS)
-# NCCL user buffers (not in the default set; NCCL only): ours-z3 with nccl_ub=True.
+# NCCL user buffers (not in the default set; NCCL only): ours-z3 with nccl_ub=True, symmetric (window)
+# registration (the default) or local registration.
 IMPLS["ours-z3+ub"] = dataclasses.replace(
     IMPLS["ours-z3"], name="ours-z3+ub", setup=f"{IMPLS['ours-z3'].setup}; nccl_ub=True (NCCL user buffers)",
     build=functools.partial(_ours, "optim_grads_params", False, nccl_ub=True))
+IMPLS["ours-z3+ub-local"] = dataclasses.replace(
+    IMPLS["ours-z3"], name="ours-z3+ub-local",
+    setup=f"{IMPLS['ours-z3'].setup}; nccl_ub=True, disable_symmetric_registration=True (local registration)",
+    build=functools.partial(_ours, "optim_grads_params", False, nccl_ub=True, disable_symmetric_registration=True))
 # Recompute variants (not in the default set): "+ac" checkpoint_wrapper around each block, "+sac"
 # selective recompute inside each block; FSDP2 gets exactly the same model changes.
 IMPLS.update({v.name: v for base in ("ours-z3", "fsdp2") for style, label in (("full", "ac"), ("selective", "sac"))

@@ -102,23 +102,38 @@ def test_ranks_disagreeing_on_nccl_ub_fail_together_at_wrap(dist_env: Any) -> No
         _wrap(3, dist_env.rank == 0)
 
 
-@pytest.mark.requires_cuda
-@pytest.mark.distributed(world_size=1)
-@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "local"])
-@pytest.mark.matrix(mesh=axes.mesh(1), zero="optim_grads_params")
-def test_nccl_ub_on_one_gpu(symmetric: bool, dist_env: Any) -> None:
-    """NCCL: the pool is registered (once per group) and training is bit-identical to
-    unregistered buffers; ``disable_symmetric_registration`` picks the local registration."""
+def _check_on_gpu(symmetric: bool, env: Any) -> None:
+    """NCCL: the pool is registered (once per group) and training is bit-identical to unregistered
+    buffers; ``disable_symmetric_registration`` picks the local registration."""
     from fsdp_impl.nccl_ub import allocator_unavailable
-    why = allocator_unavailable(dist.group.WORLD, dist_env.device)
+    if dist.get_backend() != "nccl":
+        pytest.skip(f"needs the NCCL backend, one GPU per rank (this run uses {dist.get_backend()!r})")
+    why = allocator_unavailable(dist.group.WORLD, env.device)
     if why is not None:  # the wrap refuses with this message (checked below); nothing to register
         with pytest.raises(RuntimeError, match=r"nccl_ub=True .* needs NCCL's memory allocator"):
             _wrap(3, True, disable_symmetric_registration=not symmetric)
         pytest.skip(f"NCCL's memory allocator is unavailable on this GPU: {why}")
     kwargs = dict(disable_symmetric_registration=not symmetric)
-    want = _train(*_wrap(3, False, **kwargs), dist_env)
+    want = _train(*_wrap(3, False, **kwargs), env)
     model, opt = _wrap(3, True, **kwargs)
-    got = _train(model, opt, dist_env)
+    got = _train(model, opt, env)
     ub = model._fsdp_engine.ctx.user_buffers
     assert ub is not None and ub.registered and ub.registrations == len(ub.groups) == 1, vars(ub)
     assert got == want, f"losses with nccl_ub {got} != without {want}"
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.distributed(world_size=1)
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "local"])
+@pytest.mark.matrix(mesh=axes.mesh(1), zero="optim_grads_params")
+def test_nccl_ub_on_one_gpu(symmetric: bool, dist_env: Any) -> None:
+    _check_on_gpu(symmetric, dist_env)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "local"])
+@pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params")
+def test_nccl_ub_on_two_gpus(symmetric: bool, dist_env: Any) -> None:
+    """The same on two GPUs: the registered all-gathers and reduce-scatters really move data."""
+    _check_on_gpu(symmetric, dist_env)
