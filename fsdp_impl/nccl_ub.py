@@ -106,6 +106,30 @@ def allocator_unavailable(group: dist.ProcessGroup, device: torch.device) -> str
     return None
 
 
+def segment_sizes(snapshot: Sequence[dict[str, Any]]) -> list[int]:
+    """The pool's segment sizes in the order torch registers them (by address)."""
+    return [int(seg["total_size"]) for seg in sorted(snapshot, key=lambda seg: int(seg["address"]))]
+
+
+def _mib(sizes: Sequence[int], limit: int = 8) -> str:
+    shown = ", ".join(f"{n / 2**20:.1f}" for n in sizes[:limit])
+    return f"[{shown}{', ...' if len(sizes) > limit else ''}] MiB ({len(sizes)} segments)"
+
+
+def segment_mismatch(lists: Sequence[Sequence[int]], ranks: Sequence[int]) -> str | None:
+    """None when every rank's segment sizes agree with the first rank's, else what differs."""
+    first = list(lists[0])
+    for rank, sizes in zip(ranks[1:], lists[1:], strict=True):
+        sizes = list(sizes)
+        if sizes == first:
+            continue
+        pairs = enumerate(zip(first, sizes, strict=False))  # the lengths may differ too
+        at = next((i for i, (a, b) in pairs if a != b), min(len(first), len(sizes)))
+        return (f"group ranks {list(ranks)}: rank {ranks[0]} has {_mib(first)}, rank {rank} has {_mib(sizes)}; "
+                f"they first differ at segment {at}")
+    return None
+
+
 class UserBuffers:
     """One model's NCCL memory pool and its one-time registration."""
 
@@ -138,6 +162,8 @@ class UserBuffers:
             _recording.append([group_ranks(g) for g in self.groups])
             self.registrations = len(self.groups)
             return
+        if self.symmetric:
+            self._check_symmetric_segments()
         for g in self.groups:
             backend: Any = g._get_backend(self.device)  # ProcessGroupNCCL (check_backend)
             try:
@@ -145,6 +171,25 @@ class UserBuffers:
             except TypeError:  # a torch whose register_mem_pool has no symmetric mode
                 backend.register_mem_pool(self.pool)
             self.registrations += 1
+
+    def _check_symmetric_segments(self) -> None:
+        """Window registration needs the same segments on every rank of a group: compare first.
+
+        Seen on 2 H200s (NCCL 2.28.9) at 1.3B: ranks whose pool segments differed failed inside
+        NCCL ("Failed to window register segment", an unhandled CUDA error) and the pool's
+        destructor then aborted the process. Every member gets every member's list, so all of
+        them raise alike and none goes on to register alone."""
+        assert self.pool is not None
+        mine = segment_sizes(self.pool.snapshot())
+        for g in self.groups:
+            lists: list[Any] = [None] * g.size()
+            dist.all_gather_object(lists, mine, group=g)
+            why = segment_mismatch(lists, group_ranks(g))
+            if why is not None:
+                raise RuntimeError(
+                    f"nccl_ub=True with symmetric (window) registration needs the same NCCL pool segments on "
+                    f"every rank of a group, in the same order: {why}. Pass disable_symmetric_registration=True "
+                    "(local registration) instead")
 
     @property
     def registered(self) -> bool:

@@ -137,3 +137,37 @@ def test_nccl_ub_on_one_gpu(symmetric: bool, dist_env: Any) -> None:
 def test_nccl_ub_on_two_gpus(symmetric: bool, dist_env: Any) -> None:
     """The same on two GPUs: the registered all-gathers and reduce-scatters really move data."""
     _check_on_gpu(symmetric, dist_env)
+
+
+class _FakePool:
+    """A pool whose segments are given (``snapshot`` as torch's MemPool returns it)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def snapshot(self) -> list[dict[str, int]]:
+        return [{"address": 1000 - i, "total_size": n} for i, n in enumerate(reversed(self.sizes))]
+
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params")
+def test_symmetric_registration_refuses_segments_that_differ_between_ranks(dist_env: Any) -> None:
+    """Every rank raises the same clear error before any window registration (seen on 2 H200s:
+    NCCL failed inside and the pool's destructor aborted the process); equal segments pass the
+    check and reach the backend (gloo has no ``register_mem_pool``: the AttributeError shows it)."""
+    from fsdp_impl.nccl_ub import UserBuffers
+
+    def buffers(sizes: list[int], symmetric: bool = True) -> UserBuffers:
+        ub = UserBuffers.__new__(UserBuffers)
+        ub.groups, ub.device, ub.symmetric, ub.registrations = [dist.group.WORLD], dist_env.device, symmetric, 0
+        ub.pool, ub._registered = _FakePool(sizes), False  # type: ignore[assignment]
+        return ub
+
+    odd = [2 << 20, (194 if dist_env.rank == 0 else 98) << 20]
+    with pytest.raises(RuntimeError, match=r"rank 0 has \[2\.0, 194\.0\] MiB .* rank 1 has \[2\.0, 98\.0\] MiB .*"
+                                           r"segment 1.*disable_symmetric_registration=True"):
+        buffers(odd).register()
+    with pytest.raises(AttributeError, match="register_mem_pool"):
+        buffers([2 << 20, 4 << 20]).register()
+    with pytest.raises(AttributeError, match="register_mem_pool"):  # local registration: not compared
+        buffers(odd, symmetric=False).register()
