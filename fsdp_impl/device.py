@@ -43,6 +43,11 @@ def resolve_device(device: object, mesh: DeviceMesh) -> torch.device:
     return default
 
 
+def current(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Make ``device`` the current one (CUDA: object collectives on NCCL send from it); CPU: no-op."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def get_rng_state(device: torch.device) -> torch.Tensor:
     """State of the generator that initialises tensors on ``device``."""
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()

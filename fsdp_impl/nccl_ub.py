@@ -18,19 +18,26 @@ every rank registers the same pool with the same groups in the same order; NCCL'
 is collective per communicator, and a different order on two ranks would hang them. The order
 is part of the wrap-time agreement (``agreement.agreement_items``).
 
+Symmetric (window) registration is also collective per pool segment, so first every rank's
+segment sizes are compared within each group and the verdict shared over all ranks
+(``agree_on_segments``): a mismatch is one clear error everywhere, before anything is registered.
+
 On a machine without NCCL, ``nccl_ub=True`` is an error naming the backend; tests run the
 bookkeeping on gloo with ``record_registrations()`` (no pool, the registrations recorded).
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from .device import current
+
 _recording: list[list[tuple[int, ...]]] | None = None  # see record_registrations (test-only)
+G = TypeVar("G")  # a process group (tests stand in tuples of ranks)
 
 
 @contextlib.contextmanager
@@ -107,27 +114,51 @@ def allocator_unavailable(group: dist.ProcessGroup, device: torch.device) -> str
 
 
 def segment_sizes(snapshot: Sequence[dict[str, Any]]) -> list[int]:
-    """The pool's segment sizes in the order torch registers them (by address)."""
-    return [int(seg["total_size"]) for seg in sorted(snapshot, key=lambda seg: int(seg["address"]))]
+    """The pool's segment sizes in the order torch window-registers them (by address); only the
+    sizes matter to the collective, so every other field of a segment is ignored."""
+    ordered = sorted(snapshot, key=lambda segment: int(segment["address"]))
+    return [int(segment["total_size"]) for segment in ordered]
 
 
-def _mib(sizes: Sequence[int], limit: int = 8) -> str:
-    shown = ", ".join(f"{n / 2**20:.1f}" for n in sizes[:limit])
-    return f"[{shown}{', ...' if len(sizes) > limit else ''}] MiB ({len(sizes)} segments)"
+def _mib(sizes: Sequence[int], at: int, width: int = 6) -> str:
+    """``sizes`` in MiB, cut to a window that starts just before index ``at`` (where two lists
+    first differ), so a long list still shows the segments that matter."""
+    start = max(0, min(at, len(sizes)) - 2)
+    shown = [f"{n / 2**20:.1f}" for n in sizes[start:start + width]]
+    head = ["..."] if start > 0 else []
+    tail = ["..."] if start + width < len(sizes) else []
+    return f"[{', '.join(head + shown + tail)}] MiB ({len(sizes)} segments)"
 
 
 def segment_mismatch(lists: Sequence[Sequence[int]], ranks: Sequence[int]) -> str | None:
-    """None when every rank's segment sizes agree with the first rank's, else what differs."""
+    """None when every member's segment sizes equal the first member's; else the first member
+    that differs, both lists and the first differing index (the lengths may differ too)."""
     first = list(lists[0])
     for rank, sizes in zip(ranks[1:], lists[1:], strict=True):
-        sizes = list(sizes)
-        if sizes == first:
+        other = list(sizes)
+        if other == first:
             continue
-        pairs = enumerate(zip(first, sizes, strict=False))  # the lengths may differ too
-        at = next((i for i, (a, b) in pairs if a != b), min(len(first), len(sizes)))
-        return (f"group ranks {list(ranks)}: rank {ranks[0]} has {_mib(first)}, rank {rank} has {_mib(sizes)}; "
-                f"they first differ at segment {at}")
+        common = min(len(first), len(other))
+        at = next((i for i in range(common) if first[i] != other[i]), common)
+        return (f"group ranks {list(ranks)} have segment sizes: rank {ranks[0]} has {_mib(first, at)} vs rank {rank} "
+                f"has {_mib(other, at)}, first differing at segment {at}")
     return None
+
+
+def agree_on_segments(mine: list[int], groups: Sequence[G], ranks_of: Callable[[G], Sequence[int]],
+                      gather: Callable[[Any, G], list[Any]], everyone: G) -> str | None:
+    """Compare this rank's segment sizes within each group, then share the verdicts over
+    ``everyone``: the first mismatch any rank found, the same on every rank, or None.
+
+    Every rank makes every gather (no early exit: a rank that stopped would leave the members of
+    its later groups waiting). A group's members only see that group, so a rank whose own groups
+    all agree could otherwise go on to register with a peer that raises; the final gather over all
+    ranks (the wrap-time agreement already gathers over them) makes the decision one."""
+    why: str | None = None
+    for g in groups:
+        found = segment_mismatch(gather(mine, g), ranks_of(g))
+        why = why if why is not None else found
+    return next((verdict for verdict in gather(why, everyone) if verdict is not None), None)
 
 
 class UserBuffers:
@@ -173,23 +204,26 @@ class UserBuffers:
             self.registrations += 1
 
     def _check_symmetric_segments(self) -> None:
-        """Window registration needs the same segments on every rank of a group: compare first.
-
-        Seen on 2 H200s (NCCL 2.28.9) at 1.3B: ranks whose pool segments differed failed inside
-        NCCL ("Failed to window register segment", an unhandled CUDA error) and the pool's
-        destructor then aborted the process. Every member gets every member's list, so all of
-        them raise alike and none goes on to register alone."""
+        """Window registration is collective per segment: every rank of a group must hold the same
+        segments. Seen on 2 H200s (NCCL 2.28.9) at 1.3B: the ranks' pool segments differed, NCCL
+        failed ("Failed to window register segment", unhandled cuda error) and the pool's
+        destructor then aborted the process. Checked first, so nothing is registered on a mismatch."""
         assert self.pool is not None
-        mine = segment_sizes(self.pool.snapshot())
-        for g in self.groups:
-            lists: list[Any] = [None] * g.size()
-            dist.all_gather_object(lists, mine, group=g)
-            why = segment_mismatch(lists, group_ranks(g))
-            if why is not None:
-                raise RuntimeError(
-                    f"nccl_ub=True with symmetric (window) registration needs the same NCCL pool segments on "
-                    f"every rank of a group, in the same order: {why}. Pass disable_symmetric_registration=True "
-                    "(local registration) instead")
+
+        def gather(obj: Any, g: dist.ProcessGroup) -> list[Any]:
+            out: list[Any] = [None] * g.size()
+            dist.all_gather_object(out, obj, group=g)
+            return out
+
+        world = dist.group.WORLD  # as check_ranks_agree: every rank of the world wraps the model
+        assert world is not None
+        # all_gather_object on NCCL sends from the current CUDA device: make it this model's
+        with current(self.device):
+            why = agree_on_segments(segment_sizes(self.pool.snapshot()), self.groups, group_ranks, gather, world)
+        if why is not None:
+            raise RuntimeError(
+                f"nccl_ub=True with symmetric (window) registration needs the same NCCL pool segments on every "
+                f"rank of a group: {why}; pass disable_symmetric_registration=True (local registration) instead")
 
     @property
     def registered(self) -> bool:
