@@ -31,6 +31,7 @@ from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
 from .sharding import FlatLayout, shard_row_range
 from .unshard_storage import (
     GatherPhase,
+    PooledStorage,
     UnitStorage,
     UnshardPool,
     UnshardStorage,
@@ -56,8 +57,8 @@ class TrainingState(enum.Enum):
 @dataclass
 class _Gather:
     """An all-gather in flight: its output, the event that marks it done, the weights' version.
-    One rank (no FP8, no offload): the output is the weight shard itself, in the main dtype, and
-    no event (the copy-out casts from it on the compute stream)."""
+    One rank (no offload): no event, the copy-out reads on the compute stream from the weight
+    shard itself (main dtype) or, with FP8 params, from the unit's own gather segment."""
 
     gathered: torch.Tensor
     event: torch.cuda.Event | None
@@ -244,6 +245,17 @@ class FSDPUnit:
             self.refresh()
         self.is_unsharded = True
 
+    def holds_through_backward(self) -> bool:
+        """Whether the unit keeps its compute params from its forward to its backward instead of
+        resharding after the forward: one rank, FP8 params whose byte planes alias the shard and
+        whose transposes are kept (``keep_fp8_transpose_cache``), storage of its own (not pooled),
+        nothing offloaded. A reshard would then free only the other params' compute copies
+        (norms, biases: a few KiB per block) and the backward would copy them out again, per unit
+        the host work of a gather and an unpack that the FP8 step, bound by the host, waits for."""
+        fp8 = self.fp8
+        return (fp8 is not None and fp8.aliased and fp8.keep_transpose and self._solo_gather
+                and self.offload is None and not isinstance(self.storage, PooledStorage))
+
     def evict(self) -> None:
         """An unshard-storage pool gave this unit's slot to another unit (see unshard_storage)."""
         self.is_unsharded = False
@@ -283,10 +295,14 @@ class FSDPUnit:
         """One all-gather of the unit's shards, cast to the compute dtype, on the gather stream."""
         stream = self.ctx.streams.gather
         version = self.version_signature() if self.tracks_versions else self.synced_version
-        if self._solo_gather and self.fp8 is None and self.offload is None:
+        if self._solo_gather and self.offload is None:
             # one rank: the shard is the whole unit, so the copy-out reads (and casts) straight
-            # from it on the compute stream: no gathered copy, side-stream switch or event
-            return _Gather(self.weight.data, None, version)
+            # from it on the compute stream: no gathered copy, side-stream switch or event (FP8:
+            # the unit's own segment, its other params copied in on the compute stream too)
+            if self.fp8 is None:
+                return _Gather(self.weight.data, None, version)
+            return _Gather(self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group, force_fp8),
+                           None, version)
         with stream.use(), self.ctx.comm_allocation():
             if self.fp8 is not None:  # FP8 params travel as FP8 bytes
                 gathered = self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group, force_fp8)
@@ -329,8 +345,9 @@ class FSDPUnit:
     def _finish_gather(self, gather: _Gather) -> None:
         """Wait for the gather and copy each param out of it (on the compute stream)."""
         stream = self.ctx.streams.gather
-        stream.wait(gather.event)
-        stream.used_by_current(gather.gathered)
+        if gather.event is not None:  # made on the gather stream (else on this one: nothing to order)
+            stream.wait(gather.event)
+            stream.used_by_current(gather.gathered)
         with torch.no_grad():
             gathered, layout, params = gather.gathered, self.weight.layout, self.params
             if self.fp8 is not None:  # fills the FP8 params; the others are copied out below

@@ -229,6 +229,56 @@ def test_one_rank_fp8_planes_alias_the_shard(dist_env) -> None:
             assert plane.untyped_storage().size() == segment.size() > 0, u.name
 
 
+def _held_run(device: torch.device, dropped_forward: bool) -> tuple[list[float], list[list[bool]], int]:
+    """3 steps at one rank with ``keep_fp8_transpose_cache``; (losses, per step whether each FP8
+    unit was still gathered after the forward, the backward copy-outs over the run).
+    ``dropped_forward``: before the second optimizer step, one more forward whose loss never
+    runs a backward (its units stay gathered until the next forward)."""
+    from fsdp_impl.copy_out import ComputeCopy
+
+    model, opt = ft.wrap(ft.build("current"), keep_fp8_transpose_cache=True)
+    units = [u for u in model._fsdp_engine.units if u.fp8 is not None]
+    held, copies, losses = [], [0], []
+    real_copy = ComputeCopy.__call__
+
+    def counting(self, *args, **kwargs):
+        copies[0] += torch._C._current_graph_task_id() != -1  # inside a backward
+        return real_copy(self, *args, **kwargs)
+
+    ComputeCopy.__call__ = counting
+    try:
+        for step in range(3):
+            x, y = (t.to(device) for t in ft.batch(step, 0, 0))
+            loss = ft.loss_fn(model(x), y)
+            held.append([u.is_unsharded for u in units])
+            loss.backward()
+            if dropped_forward and step == 1:
+                ft.loss_fn(model(x * 2), y)  # never backpropagated
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    finally:
+        ComputeCopy.__call__ = real_copy
+    return losses, held, copies[0]
+
+
+@W1
+@pytest.mark.matrix(mesh=axes.mesh(1), recipe="current")
+def test_one_rank_fp8_units_hold_their_params_through_backward(dist_env) -> None:
+    """One rank, planes aliasing the shard, transposes kept: a reshard after the forward would
+    free only the norms' and biases' compute copies, so each FP8 unit keeps its params until
+    its backward (``FSDPUnit.holds_through_backward``), whose pre-backward then copies nothing.
+    A forward without backward leaves units gathered; the next forward reshards them before the
+    requantisation, so the step after an optimizer step still trains bit for bit."""
+    losses, held, backward_copies = _held_run(dist_env.device, dropped_forward=False)
+    assert held and all(all(step) for step in held), held
+    assert backward_copies == 0, backward_copies
+    dropped_losses, _, _ = _held_run(dist_env.device, dropped_forward=True)
+    assert dropped_losses == losses, (dropped_losses, losses)
+    bf16_losses, _, _ = _gather_run("current", False, False, dist_env.device)
+    assert losses == bf16_losses, (losses, bf16_losses)
+
+
 def _unpacked(unit, gathered: torch.Tensor) -> list[torch.Tensor]:
     """Copies of what ``unpack`` gives for ``gathered``: the FP8 planes' bytes, the other params."""
     others, _, _ = unit.fp8.unpack(gathered)
