@@ -43,6 +43,9 @@ class ComputeCopy:
 
     def __init__(self) -> None:
         self._targets: _Targets | None = None
+        # ``from_shards``: (weight buffer, params, their versioned tensors, (dsts, srcs) per dtype pair)
+        self._direct: tuple[torch.Tensor, list[ManagedParam], tuple[torch.Tensor, ...],
+                            list[tuple[list[torch.Tensor], list[torch.Tensor]]]] | None = None
 
     def __call__(self, gathered: torch.Tensor, layout: FlatLayout, params: list[ManagedParam], fused: bool) -> None:
         """Copy ``params`` out of ``gathered`` (laid out by ``layout``) into their compute tensors
@@ -51,9 +54,29 @@ class ComputeCopy:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t.versioned):
             layout.unpack_all(gathered, t.tensors, fused=fused, plan=t.plan)
 
+    def from_shards(self, weight: torch.Tensor, sources: list[torch.Tensor], params: list[ManagedParam]) -> None:
+        """One rank: copy ``params`` straight from their main shards ``sources`` (views of
+        ``weight``, the unit's weight buffer; each the param's full local value), cast to the
+        compute dtype: one multi-tensor copy per dtype pair, nothing staged (an FP8 unit's other
+        params, whose FP8 bytes need no gather either)."""
+        t = self._direct
+        if t is None or t[0] is not weight or t[1] is not params:
+            tensors = [p.compute_local() for p in params]
+            groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            for dst, src in zip(tensors, sources, strict=True):
+                if dst.numel():
+                    pair = groups.setdefault((dst.dtype, src.dtype), ([], []))
+                    pair[0].append(dst.view(-1))
+                    pair[1].append(src.reshape(-1))
+            t = self._direct = (weight, params, versioned(params), list(groups.values()))
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t[2]):
+            for dsts, srcs in t[3]:
+                torch._foreach_copy_(dsts, srcs)
+
     def forget(self) -> None:
         """The compute tensors moved to other storage (the unshard pool): rebuild the views."""
         self._targets = None
+        self._direct = None
 
     def _targets_for(self, params: list[ManagedParam], layout: FlatLayout) -> _Targets:
         """Built on first use and kept: ``params`` is always the same list object (all params, or

@@ -294,6 +294,10 @@ class UnitFp8:
         that backward needs (``FSDPUnit.regather_fp8_rowwise``)."""
         return all(f.has_rowwise() for f in self.fp8_params)
 
+    def other_shards(self, weight: DataParallelBuffer) -> list[torch.Tensor]:
+        """The other params' main shards (views of ``weight``), in ``other_params`` order."""
+        return [weight.local_view(i) for i in self.other_index]
+
     def modules(self) -> list[nn.Module]:
         """The modules holding this unit's FP8 params (each once)."""
         seen: dict[int, nn.Module] = {}
@@ -324,6 +328,12 @@ class UnitFp8:
             comm.all_gather(gathered, local, group)
         return gathered
 
+    def solo(self, force_fp8: bool = False) -> torch.Tensor:
+        """One rank, the other params copied by the unit from their main shards (``fill`` reads
+        only the FP8 bytes): the unit's own segment, nothing copied into it."""
+        self._with_fp8 = with_fp8 = force_fp8 or self._gathers_fp8()
+        return self._local[with_fp8]
+
     def _views(self, gathered: torch.Tensor, with_fp8: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``gathered`` as (the FP8 planes' ``[n, fp8 segment]`` uint8 columns, or None without
         them; the other params' ``[n, other segment]`` in the compute dtype), strided views (no
@@ -342,7 +352,13 @@ class UnitFp8:
     def unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, FlatLayout, list[ManagedParam]]:
         """Fill the FP8 params from a gather; return the other params' gathered values (compute
         dtype, ``[n, segment]`` of ``other_layout``, maybe strided) for the unit to copy out."""
-        fp8_rows, others = self._views(gathered, self._with_fp8)
+        self.fill(gathered)
+        return self._views(gathered, self._with_fp8)[1], self.other_layout, self.other_params
+
+    def fill(self, gathered: torch.Tensor) -> None:
+        """Fill the FP8 params from a gather (or, one rank, from the unit's own segment, whose
+        other params ``gather`` left out: the unit copies those from their main shards)."""
+        fp8_rows, _ = self._views(gathered, self._with_fp8)
         if fp8_rows is not None:
             if not self.aliased:  # (aliased planes already hold the bytes: they are ``fp8_rows``)
                 for data, nbytes in zip(self._planes, self._plane_nbytes, strict=True):
@@ -354,7 +370,6 @@ class UnitFp8:
                                            plan=self._plane_plan)
             for kind, params in self._by_kind.items():  # looked up per call: bench.host_profile times FILL
                 FILL[kind](params, self.keep_transpose)
-        return others, self.other_layout, self.other_params
 
     def release(self, after_backward: bool) -> None:
         """The unit resharded: free the FP8 bytes (the forward's transposes stay for the

@@ -58,11 +58,13 @@ class TrainingState(enum.Enum):
 class _Gather:
     """An all-gather in flight: its output, the event that marks it done, the weights' version.
     One rank (no offload): no event, the copy-out reads on the compute stream from the weight
-    shard itself (main dtype) or, with FP8 params, from the unit's own gather segment."""
+    shard itself (main dtype); with FP8 params ``gathered`` is the unit's own FP8 segment and
+    ``direct`` says the other params are copied from their main shards."""
 
     gathered: torch.Tensor
     event: torch.cuda.Event | None
     version: int
+    direct: bool = False
 
 
 # One location of a param for a swap: its module's parameter dict, the name, the tensor to store.
@@ -301,8 +303,7 @@ class FSDPUnit:
             # the unit's own segment, its other params copied in on the compute stream too)
             if self.fp8 is None:
                 return _Gather(self.weight.data, None, version)
-            return _Gather(self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group, force_fp8),
-                           None, version)
+            return _Gather(self.fp8.solo(force_fp8), None, version, direct=True)
         with stream.use(), self.ctx.comm_allocation():
             if self.fp8 is not None:  # FP8 params travel as FP8 bytes
                 gathered = self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group, force_fp8)
@@ -350,7 +351,14 @@ class FSDPUnit:
             stream.used_by_current(gather.gathered)
         with torch.no_grad():
             gathered, layout, params = gather.gathered, self.weight.layout, self.params
-            if self.fp8 is not None:  # fills the FP8 params; the others are copied out below
+            if self.fp8 is not None and gather.direct:
+                # one rank: FP8 bytes in place, the others straight from their main shards
+                self.fp8.fill(gather.gathered)
+                if self.fp8.other_params:
+                    self._copy_out.from_shards(self.weight.data, self.fp8.other_shards(self.weight),
+                                               self.fp8.other_params)
+                params = []
+            elif self.fp8 is not None:  # fills the FP8 params; the others are copied out below
                 gathered, layout, params = self.fp8.unpack(gather.gathered)
             if params:
                 self._copy_out(gathered, layout, params, fused=not self.ctx.graph_mode)
@@ -426,7 +434,8 @@ class FSDPUnit:
         if self.ctx.fine_grained:
             return self.param_modules()
         zero3 = self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
-        if self.fp8 is not None and self.fp8.keep_transpose and zero3:
+        # (planes aliasing the shard are never released: the row-wise bytes are always there)
+        if self.fp8 is not None and self.fp8.keep_transpose and zero3 and not self.fp8.aliased:
             return self.fp8.modules()
         return []
 
