@@ -4,13 +4,20 @@
     python -m bench.host_profile --impls ours-z3,ours-fp8-te-current     # FP8 TE cells need TransformerEngine
     python -m bench.host_profile --impls ours-fp8-te-current --hooks     # per-hook host ms per step, no cProfile
     python -m bench.host_profile --impls ours-z3,te-fp8-ref --phases     # host ms per phase: host-bound or not
+    python -m bench.host_profile --impls ours-fp8-te-current-fused,te-fp8-ref --ops   # host ms per operator
 
 A step is host-bound when the GPU waits for the launches; ``bench.trace`` shows the idle GPU
 time, this shows which Python functions fill it. Per implementation (``bench.impls`` plus the FP8
 cells of ``bench.fp8_bench``): ``--warmup`` steps, then ``--steps`` steps timed with a device
 sync after each (wall ms per step), then the same number of steps under ``cProfile`` (which
 slows Python, so compare functions with each other, not with the wall time), printed as the
-``--top`` functions by own time and by cumulative time (rank 0). All implementations run in one
+``--top`` functions by own time and by cumulative time (rank 0). cProfile sees the main thread
+only: on CUDA the backward, with the engine's grad and pre-backward hooks, runs on autograd's
+device thread, which ``--hooks`` (timing wrappers) and ``--ops`` cover.
+
+``--ops`` replaces it with ``torch.profiler``'s CPU table: per operator the self and total host ms
+per step and the calls (autograd's threads included; an op's self time includes Python that runs inside it
+without ops of its own, e.g. the post-accumulate-grad hooks inside ``AccumulateGrad``). All implementations run in one
 process, one after the other; for throughput and memory use ``bench.suite``, which isolates them.
 
 ``--phases`` replaces it with the host time to issue the forward, the backward and the optimizer
@@ -221,8 +228,36 @@ def phase_times(env: Env, trainee: impls.Trainee, steps: int) -> Phases:
     return Phases(*med)
 
 
-def _report(env: Env, trainee: impls.Trainee, name: str, steps: int, top: int, hooks: bool, phases: bool) -> str:
+def op_table(env: Env, trainee: impls.Trainee, steps: int, top: int) -> str:
+    """Host time per operator over ``steps`` steps (``torch.profiler``, CPU activity only): self
+    and total ms per step and calls per step of the ``top`` operators by self time, from this
+    thread and autograd's (on CUDA the backward, with the engine's grad and pre-backward hooks,
+    runs on autograd's device thread: the profiler's state travels there with each backward,
+    ``cProfile``'s does not). A recorded op's self time includes the
+    Python that runs inside it without recording ops of its own, e.g. a post-accumulate-grad hook
+    inside ``torch::autograd::AccumulateGrad``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runtime.sync(env)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            trainee.step()
+        runtime.sync(env)
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    out = [f"| op ({steps} steps) | self ms/step | total ms/step | calls/step | self us/call |",
+           "| --- | ---: | ---: | ---: | ---: |"]
+    for e in events:
+        name = e.key if len(e.key) <= 70 else e.key[:67] + "..."
+        out.append(f"| {name} | {e.self_cpu_time_total / 1e3 / steps:.2f} | {e.cpu_time_total / 1e3 / steps:.2f} | "
+                   f"{e.count / steps:g} | {e.self_cpu_time_total / max(e.count, 1):.1f} |")
+    return "\n".join(out)
+
+
+def _report(env: Env, trainee: impls.Trainee, name: str, steps: int, top: int, hooks: bool, phases: bool,
+            ops: bool = False) -> str:
     """What ``run_one`` prints for one implementation (every rank runs the same steps)."""
+    if ops:
+        return f"host time per operator, {steps} steps\n{op_table(env, trainee, steps, top)}"
     if phases:
         line = phase_times(env, trainee, steps).line(name)
         return f"host ms per phase, medians of {steps} steps\n{PHASE_HEADER}\n{line}"
@@ -240,7 +275,7 @@ def _report(env: Env, trainee: impls.Trainee, name: str, steps: int, top: int, h
 
 
 def run_one(env: Env, name: str, size: str, micro_batch: int, warmup: int, steps: int, top: int,
-            hooks: bool = False, dtensor_step: bool = False, phases: bool = False) -> None:
+            hooks: bool = False, dtensor_step: bool = False, phases: bool = False, ops: bool = False) -> None:
     trainee = impls.build(name, impls.SIZES[size], env, micro_batch)
     if dtensor_step and hasattr(trainee.optimizer, "_fsdp_local_step"):
         trainee.optimizer._fsdp_local_step = None  # the DTensor optimizer step, for comparison
@@ -248,7 +283,7 @@ def run_one(env: Env, name: str, size: str, micro_batch: int, warmup: int, steps
     for _ in range(warmup):
         trainee.step()
     runtime.sync(env)
-    text = _report(env, trainee, name, steps, top, hooks, phases)
+    text = _report(env, trainee, name, steps, top, hooks, phases, ops)
     if env.rank == 0:
         print(f"\n==== {name}, {size}, world {env.world}: {text}", flush=True)
     del trainee
@@ -267,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", action="store_true",
                    help="instead of cProfile: host ms to issue forward, backward and optimizer step from an idle "
                         "device, against the synchronised step (is the step host-bound on this machine?)")
+    p.add_argument("--ops", action="store_true",
+                   help="instead of cProfile: host ms per step of the top operators (torch.profiler; also "
+                        "the backward's hooks on autograd's device thread)")
     p.add_argument("--dtensor-step", action="store_true",
                    help="also run each implementation with its optimizer stepping on DTensors (no local-shard step)")
     cli.add_run_flags(p, fake_world=False)
@@ -276,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.impls:
             for dtensor_step in (False, True) if args.dtensor_step else (False,):
                 run_one(env, name, args.size, args.micro_batch, args.warmup, args.steps, args.top, args.hooks,
-                        dtensor_step, args.phases)
+                        dtensor_step, args.phases, args.ops)
     return cli.with_env(args.device, body)
 
 

@@ -54,3 +54,39 @@ def test_reading_follows_host_against_step() -> None:
     between = host_profile.Phases(forward=30, forward_cpu=30, backward=30, optimizer=10, host=70, step=100)
     assert "in between" in between.line("b")
     assert host_profile.PHASE_HEADER.splitlines()[0].count("|") == between.line("b").count("|")
+
+
+
+class _HookedTrainee:
+    """A step with known op counts: forward 3 ``mm``, a backward whose post-accumulate-grad hook
+    (what the engine's grad hook is) runs one ``bmm`` per grad: 2 leaves, so 2 ``bmm``."""
+
+    def __init__(self) -> None:
+        self.w = [torch.randn(8, 8, requires_grad=True) for _ in range(2)]
+
+        def hook(t: torch.Tensor) -> None:
+            torch.bmm(t.grad[None], t.grad[None])
+
+        for w in self.w:
+            w.register_post_accumulate_grad_hook(hook)
+
+    def step(self) -> None:
+        x = torch.randn(4, 8)
+        out = torch.mm(torch.mm(x, self.w[0]), self.w[1])
+        torch.mm(out, out.t()).sum().backward()
+        for w in self.w:
+            w.grad = None
+
+
+def test_op_table_counts_forward_backward_and_hook_ops() -> None:
+    """``--ops``: calls per step are exact for the forward's ops and for ops inside the backward's
+    grad hooks (on CUDA the backward runs on autograd's device thread; the profiler's state goes
+    with it, unlike cProfile's)."""
+    env = Env(rank=0, world=1, local_rank=0, device=torch.device("cpu"))
+    table = host_profile.op_table(env, _HookedTrainee(), steps=2, top=100)  # type: ignore[arg-type]
+    rows = {cells[1].strip(): cells for line in table.splitlines()[2:] if (cells := line.split("|"))}
+    assert float(rows["aten::bmm"][4]) == 2, table
+    assert float(rows["aten::mm"][4]) >= 3, table  # the forward's 3, plus the backward's
+    accumulate = rows["torch::autograd::AccumulateGrad"]
+    assert float(accumulate[4]) == 2, table  # one per leaf
+    assert float(accumulate[3]) >= float(rows["aten::bmm"][3]), table  # the hook's bmm inside its total  # the hook's bmm counts in AccumulateGrad's total
