@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .buffers import DataParallelBuffer
 from .param import ManagedParam
 from .sharding import FlatLayout, UnpackPlan
 
@@ -54,21 +55,22 @@ class ComputeCopy:
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t.versioned):
             layout.unpack_all(gathered, t.tensors, fused=fused, plan=t.plan)
 
-    def from_shards(self, weight: torch.Tensor, sources: list[torch.Tensor], params: list[ManagedParam]) -> None:
-        """One rank: copy ``params`` straight from their main shards ``sources`` (views of
-        ``weight``, the unit's weight buffer; each the param's full local value), cast to the
-        compute dtype: one multi-tensor copy per dtype pair, nothing staged (an FP8 unit's other
-        params, whose FP8 bytes need no gather either)."""
+    def from_shards(self, weight: DataParallelBuffer, indices: list[int], params: list[ManagedParam]) -> None:
+        """One rank: copy ``params`` (at ``indices`` of ``weight``, the unit's weight buffer)
+        straight from their main shards, each the param's full local value, cast to the compute
+        dtype: one multi-tensor copy per dtype pair, nothing staged (an FP8 unit's other params,
+        whose FP8 bytes need no gather either). The pairs are built once per weight tensor."""
         t = self._direct
-        if t is None or t[0] is not weight or t[1] is not params:
+        if t is None or t[0] is not weight.data or t[1] is not params:
             tensors = [p.compute_local() for p in params]
+            sources = [weight.local_view(i) for i in indices]
             groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
             for dst, src in zip(tensors, sources, strict=True):
                 if dst.numel():
                     pair = groups.setdefault((dst.dtype, src.dtype), ([], []))
                     pair[0].append(dst.view(-1))
                     pair[1].append(src.reshape(-1))
-            t = self._direct = (weight, params, versioned(params), list(groups.values()))
+            t = self._direct = (weight.data, params, versioned(params), list(groups.values()))
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t[2]):
             for dsts, srcs in t[3]:
                 torch._foreach_copy_(dsts, srcs)

@@ -294,10 +294,6 @@ class UnitFp8:
         that backward needs (``FSDPUnit.regather_fp8_rowwise``)."""
         return all(f.has_rowwise() for f in self.fp8_params)
 
-    def other_shards(self, weight: DataParallelBuffer) -> list[torch.Tensor]:
-        """The other params' main shards (views of ``weight``), in ``other_params`` order."""
-        return [weight.local_view(i) for i in self.other_index]
-
     def modules(self) -> list[nn.Module]:
         """The modules holding this unit's FP8 params (each once)."""
         seen: dict[int, nn.Module] = {}

@@ -355,8 +355,7 @@ class FSDPUnit:
                 # one rank: FP8 bytes in place, the others straight from their main shards
                 self.fp8.fill(gather.gathered)
                 if self.fp8.other_params:
-                    self._copy_out.from_shards(self.weight.data, self.fp8.other_shards(self.weight),
-                                               self.fp8.other_params)
+                    self._copy_out.from_shards(self.weight, self.fp8.other_index, self.fp8.other_params)
                 params = []
             elif self.fp8 is not None:  # fills the FP8 params; the others are copied out below
                 gathered, layout, params = self.fp8.unpack(gather.gathered)
