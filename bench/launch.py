@@ -129,12 +129,12 @@ def _signal_name(number: int) -> str:
 
 
 def run(cmd: Sequence[str], env: dict[str, str] | None, timeout_s: float, prefix: str = "",
-        tail_lines: int = 40) -> Finished:
-    """Run ``cmd`` in its own session, echo its output (stdout and stderr) line by line with
-    ``prefix``, and keep the last ``tail_lines``. Past ``timeout_s`` the whole session gets
-    SIGTERM (torchrun passes it to its ranks), then SIGKILL 20 s later."""
+        tail_lines: int = 40, cwd: Path = REPO) -> Finished:
+    """Run ``cmd`` in its own session (in ``cwd``), echo its output (stdout and stderr) line by
+    line with ``prefix``, and keep the last ``tail_lines``. Past ``timeout_s`` the whole session
+    gets SIGTERM (torchrun passes it to its ranks), then SIGKILL 20 s later."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(list(cmd), env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(list(cmd), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, errors="replace", start_new_session=True)
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     _LIVE.add(proc)

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import source_trees
+
 BASELINE, NORESHARD, CEILING = "fsdp2", "fsdp2-noreshard", "ceiling"
 OURS_Z3, OURS_Z2 = "ours-z3", "ours-z2"
 
@@ -143,6 +145,18 @@ def _setups(rows: list[dict]) -> list[str]:
     return ["", "All: AdamW (lr 1e-4), same init (seed 0) and per-rank tokens, bf16 compute.", *lines] if lines else []
 
 
+def ab_pairs(cells: list[Cell]) -> list[tuple[str, str, float]]:
+    """(size, NAME@LABEL, NAME / NAME@LABEL throughput) for every cell from another source tree
+    whose own-tree implementation ran at that size too (``bench.source_trees``)."""
+    pairs = []
+    for c in cells:
+        base, label = source_trees.split(c.impl)
+        r = ratio(cells, c.size, base, c.impl) if label is not None else None
+        if r is not None:
+            pairs.append((c.size, c.impl, r))
+    return pairs
+
+
 def markdown(rows: list[dict]) -> str:
     cells = summarise(rows)
     parts = [header(rows), "", table(cells), "", LEGEND, *_setups(rows), ""]
@@ -151,6 +165,7 @@ def markdown(rows: list[dict]) -> str:
                   "themselves are for a real run.", ""]
     parts += ["| size | target | verdict |", "| --- | --- | --- |"]
     parts += [f"| {s} | {t} | {v} |" for s, t, v in targets(cells)]
+    parts += source_trees.ab_lines(ab_pairs(cells))
     notes = [r for r in rows if r.get("kind") in ("skip", "error")]
     if notes:
         parts += ["", "Not measured:"]

@@ -16,6 +16,10 @@ start-up (about 5-15 s per cell: interpreter, imports, process group) is outside
 The cell writes its JSON row to a file; a cell that crashes, runs out of memory or time becomes
 an ``error`` row with the reason and the run goes on.
 
+``--source-tree LABEL=PATH`` with ``--impls NAME,NAME@LABEL`` alternates cells of another copy of
+the sources with this one's, an A/B inside one run (``bench.source_trees``: two device runs may
+land on hosts of different speed).
+
 ``--time-budget-s`` starts no cell that would not finish in time (estimated from the cells
 measured so far, start-up included) and says which were skipped. ``--device cpu --sizes tiny``
 runs the whole loop on CPU/gloo (a smoke test; the numbers mean nothing there).
@@ -31,7 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import cli, impls, launch, report
+from bench import cli, impls, launch, report, source_trees
 from bench.launch import World
 
 START = time.monotonic()
@@ -42,8 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
     p.add_argument("--sizes", type=cli.csv_list(list(impls.SIZES)), default=["1.3b"],
                    help="comma-separated model sizes, run in this order (default 1.3b)")
-    p.add_argument("--impls", type=cli.csv_list(list(impls.IMPLS)), default=list(impls.DEFAULT_IMPLS),
-                   help="comma-separated implementations, alternated in this order (default: all)")
+    p.add_argument("--impls", type=source_trees.impl_list(list(impls.IMPLS)), default=list(impls.DEFAULT_IMPLS),
+                   help="comma-separated implementations, alternated in this order (default: all); "
+                        "NAME@LABEL: NAME from the tree --source-tree LABEL=PATH (bench.source_trees)")
+    p.add_argument("--source-tree", type=source_trees.tree, action="append", default=[], metavar="LABEL=PATH",
+                   help="another copy of the sources (bench/, fsdp_impl/) whose cells --impls names as "
+                        "NAME@LABEL, for an A/B inside one run; repeatable")
     p.add_argument("--reps", type=cli.positive, default=3, help="repetitions per cell (median reported)")
     cli.add_step_flags(p)
     cli.add_run_flags(p)
@@ -54,7 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after the cells, profile these impls (bench.trace), each in its own process")
     p.add_argument("--trace-size", choices=list(impls.SIZES), default="1.3b")
     p.add_argument("--trace-dir", type=Path, default=Path("."), help="where trace.md, timeline.png go")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.source_trees = dict(args.source_tree)
+    error = source_trees.check(args.impls, args.source_trees)
+    if error is not None:
+        p.error(error)
+    return args
 
 
 def plan(sizes: list[str], names: list[str], reps: int) -> list[tuple[str, int, str]]:
@@ -112,9 +125,10 @@ class Writer:
 
 def skip_reason(name: str, size: str, world: World, info: dict, micro_batch: int, budget: Budget) -> str | None:
     """Why this cell is not started (None: start it): unavailable here, too big, or out of time."""
-    reason = impls.unavailable_reason(name, world.size, bool(world.fake_world))
+    base = source_trees.split(name)[0]
+    reason = impls.unavailable_reason(base, world.size, bool(world.fake_world))
     if reason is None and info.get("total_memory"):
-        need = impls.estimated_bytes(name, impls.SIZES[size], micro_batch, world.size)
+        need = impls.estimated_bytes(base, impls.SIZES[size], micro_batch, world.size)
         if need > 0.92 * info["total_memory"]:
             reason = f"would not fit: about {need / 2**30:.0f} GiB needed"
     if reason is None and not budget.fits(size, name):
@@ -124,9 +138,10 @@ def skip_reason(name: str, size: str, world: World, info: dict, micro_batch: int
 
 
 def cell_row(done: launch.Finished, result: Path, size: str, name: str, rep: int) -> dict:
-    """The cell's own row when it wrote one, else an error row saying how its process ended."""
+    """The cell's own row when it wrote one (labelled ``name``: a cell from another source tree
+    wrote its plain implementation name), else an error row saying how its process ended."""
     if result.exists():
-        return json.loads(result.read_text())
+        return dict(json.loads(result.read_text()), impl=name)
     return {"kind": "error", "size": size, "impl": name, "rep": rep, "reason": f"cell process {done.why()}"}
 
 
@@ -134,14 +149,18 @@ CellRunner = Callable[[str, str, int, Path], launch.Finished]
 
 
 def cell_runner(world: World, args: argparse.Namespace) -> CellRunner:
-    """Starts ``bench.cell`` for (size, impl, rep) writing to a result path, in ``world``."""
+    """Starts ``bench.cell`` for (size, impl, rep) writing to a result path, in ``world``; an
+    ``NAME@LABEL`` impl from its source tree (``bench.source_trees``)."""
     env = launch.child_env(world)
 
     def start(size: str, name: str, rep: int, result: Path) -> launch.Finished:
-        argv = ["--impl", name, "--size", size, "--rep", str(rep), "--result", str(result),
+        base, label = source_trees.split(name)
+        argv = ["--impl", base, "--size", size, "--rep", str(rep), "--result", str(result),
                 *cli.forward(args, CELL_FLAGS)]
-        return launch.run(launch.command(world, "bench.cell", argv), env, args.cell_timeout_s,
-                          prefix=f"  [{size} {name} r{rep}] ")
+        root = launch.REPO if label is None else args.source_trees[label]
+        cell_env = env if label is None else source_trees.cell_env(env, launch.REPO, root)
+        return launch.run(launch.command(world, "bench.cell", argv), cell_env, args.cell_timeout_s,
+                          prefix=f"  [{size} {name} r{rep}] ", cwd=root)
     return start
 
 
@@ -177,8 +196,19 @@ def meta_row(args: argparse.Namespace, world: World, info: dict) -> dict:
     return {"kind": "meta", "world": world.size, "fake": bool(world.fake_world), "device": info["device"],
             "torch": info["torch"], "versions": info, "isolation": "one process per cell",
             "sizes": args.sizes, "impls": args.impls, "reps": args.reps, "steps": args.steps,
-            "warmup": args.warmup, "micro_batch": args.micro_batch, "setups": impls.setups(args.impls),
+            "warmup": args.warmup, "micro_batch": args.micro_batch, "setups": setups(args),
+            "source_trees": {label: str(root) for label, root in args.source_trees.items()},
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def setups(args: argparse.Namespace) -> dict[str, str]:
+    """One line per implementation; a cell from another source tree says which."""
+    lines = impls.setups([source_trees.split(n)[0] for n in args.impls])
+    out = {}
+    for name in args.impls:
+        base, label = source_trees.split(name)
+        out[name] = lines[base] + ("" if label is None else f" (source tree {label}: {args.source_trees[label]})")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

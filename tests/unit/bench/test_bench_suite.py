@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -178,3 +179,48 @@ def test_world2_cells_under_a_torchrun_driver(tmp_path) -> None:
     cells = [r for r in rows if r["kind"] == "cell"]
     assert [(r["impl"], r["world"]) for r in cells] == [("ours-z3", 2), ("ours-hsdp", 2)], rows
     assert all(r["finite"] for r in cells)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--impls", "ours-z3@base"], "--impls names source tree(s) base but --source-tree defines none"),
+    (["--impls", "ours-z4@base"], "allowed values: ours-z3"),
+    (["--impls", "ours-z3@b/x"], "bad source-tree label"),
+    (["--source-tree", "base"], "expected LABEL=PATH"),
+    (["--source-tree", "base=/nonexistent/tree"], "lacks bench/cell.py, fsdp_impl/__init__.py"),
+])
+def test_bad_source_trees_are_refused_with_the_reason(argv, needle, capsys) -> None:
+    with pytest.raises(SystemExit):
+        suite.parse_args(argv)
+    assert needle in capsys.readouterr().err
+
+
+def _tree_copy(root: Path, mark: Path) -> Path:
+    """A copy of this checkout's bench/ and fsdp_impl/ whose fsdp_impl records each import in ``mark``."""
+    for name in ("bench", "fsdp_impl"):
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    init = root / "fsdp_impl" / "__init__.py"
+    init.write_text(init.read_text() + f"\nwith open({str(mark)!r}, 'a') as _f:\n    _f.write(__file__ + '\\n')\n")
+    return root
+
+
+def test_cells_from_another_source_tree_alternate_in_one_run(tmp_path) -> None:
+    """``NAME@LABEL`` runs NAME's cell from the ``--source-tree`` copy (its fsdp_impl is the one
+    imported, and only in those cells), alternating with this tree's cells; rows, setups and the
+    report name the tree, and the report gives the ratio of the two."""
+    mark = tmp_path / "imports.txt"
+    tree = _tree_copy(tmp_path / "base", mark)
+    out = tmp_path / "ab.jsonl"
+    cmd = [sys.executable, "-m", "bench.suite", "--device", "cpu", "--sizes", "tiny",
+           "--impls", "ours-z3,ours-z3@base", "--source-tree", f"base={tree}", "--reps", "2", "--steps", "1",
+           "--warmup", "1", "--out", str(out), "--md", str(tmp_path / "ab.md")]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _rows(out)
+    assert rows[0]["source_trees"] == {"base": str(tree.resolve())}
+    assert rows[0]["setups"]["ours-z3@base"].endswith(f"(source tree base: {tree.resolve()})")
+    cells = [(r["rep"], r["impl"]) for r in rows if r["kind"] == "cell"]
+    assert cells == [(rep, i) for rep in (1, 2) for i in ("ours-z3", "ours-z3@base")], rows
+    imports = mark.read_text().splitlines()
+    assert len(imports) == 2 and all(line.startswith(str(tree.resolve())) for line in imports), imports
+    md = (tmp_path / "ab.md").read_text()
+    assert "- tiny: ours-z3 / ours-z3@base throughput" in md, md
