@@ -49,6 +49,13 @@ def _check(cell: Cell, dist_env: Any, golden: Any) -> None:
                  note="CPU/gloo, one intra-op thread: deterministic, compared bit for bit", device=dist_env.device)
 
 
+@pytest.mark.distributed(world_size=1)
+@pytest.mark.parametrize("cell", _cells(1))
+@_cell_axes()
+def test_golden_world1(cell: Cell, dist_env: Any, golden: Any) -> None:
+    _check(cell, dist_env, golden)
+
+
 @pytest.mark.distributed(world_size=2)
 @pytest.mark.parametrize("cell", _cells(2))
 @_cell_axes()

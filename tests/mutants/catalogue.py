@@ -287,6 +287,22 @@ def local_step_state_left_local() -> None:
     replace("fsdp_impl.local_step:_write_back", make)
 
 
+def fp8_held_unit_kept_into_the_next_forward() -> None:
+    """At one rank with kept FP8 transposes a unit keeps its params from its forward to its
+    backward; a forward whose backward never runs leaves it gathered, and here the next root
+    pre-forward does not reshard it: after an optimizer step its norms and biases still compute
+    with their values of before the step."""
+    from fsdp_impl.unit import TrainingState
+
+    def make(original: Any) -> Any:
+        def reshard(self: Any) -> None:
+            if self.state == TrainingState.IDLE and self.holds_through_backward():
+                return
+            original(self)
+        return reshard
+    replace("fsdp_impl.unit:FSDPUnit.reshard", make)
+
+
 def nccl_ub_registration_order_per_rank() -> None:
     """NCCL user buffers are registered with the model's groups in an order that depends on the
     rank (odd ranks reversed): registration is collective per group, so ranks would wait for
@@ -421,6 +437,10 @@ MUTANTS = (
     Mutant("fp8_amax_not_reduced", "FP8 scales from each rank's local amax",
            (F + "test_fp8.py", "-k", "test_training_matches_reference and delayed-fsdp2-eager"),
            numerics="FP8 parameters at world > 1"),
+    Mutant("fp8_held_unit_kept_into_the_next_forward", "a unit held through a backward that never ran keeps "
+           "stale compute params into the next forward",
+           (F + "test_fp8.py", "-k", "test_one_rank_fp8_units_hold_their_params_through_backward"),
+           numerics="one rank, FP8 params with kept transposes, after a forward whose backward never ran"),
     Mutant("optimizer_step_not_noted", "fused optimizer step leaves ZeRO-1/2 compute weights stale",
            (F + "test_engine_features.py", "-k", "test_fused_optimizer_step_reaches_the_next_forward"),
            numerics="every step with a fused optimizer (ZeRO-1/2)"),

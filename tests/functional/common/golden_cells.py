@@ -74,6 +74,10 @@ class Cell:
     meta_init: bool = False  # build on the meta device, materialised shard by shard (model "gpt")
     hand_grad: bool = False  # zero_grad(set_to_none=False), then a gradient added into .grad by hand
     offload: str | None = None  # OffloadPolicy(step=...): optimizer state and main params in host memory
+    keep_transpose: bool = False  # keep_fp8_transpose_cache=True (model "fp8" / "te")
+    # every third step, between the backward and the optimizer step, one more forward whose loss
+    # never runs a backward (at one rank with kept FP8 transposes it leaves its units gathered)
+    dropped_forward: bool = False
 
 
 CELLS = (
@@ -92,6 +96,7 @@ CELLS = (
     Cell("fp8_current", 2, model="fp8", recipe="current"),
     Cell("fp8_delayed", 2, model="fp8", recipe="delayed"),
     Cell("fp8_blockwise", 2, model="fp8", recipe="blockwise"),
+    Cell("fp8_current_held", 1, model="fp8", recipe="current", keep_transpose=True, dropped_forward=True),
     Cell("hsdp", 4, mesh=(2, 2, 1, 1), outer="no_shard"),
     Cell("hfsdp", 4, mesh=(2, 2, 1, 1), outer="optim"),
     Cell("cp2", 4, mesh=(1, 2, 2, 1)),
@@ -232,6 +237,8 @@ def start_cell(cell: Cell, device: torch.device, lr_scale: float = 1.0) -> CellR
         group["lr"] = group["lr"] * lr_scale
     kwargs: dict[str, Any] = dict(fsdp_unit_modules=units, zero_dp_strategy=cell.zero,
                                   init_model_with_meta_device=cell.meta_init, **opt_kwargs)
+    if cell.keep_transpose:
+        kwargs["keep_fp8_transpose_cache"] = True
     if cell.offload is not None:
         kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step=cell.offload, chunk_bytes=OFFLOAD_CHUNK_BYTES,
                                                            pin_memory=device.type == "cuda")
@@ -266,6 +273,9 @@ def train_steps(run: CellRun, steps: range) -> dict[str, list[float]]:
             out = run.model(*(x.to(run.device) for x in inputs))
         value = run.loss(out, target.to(run.device))
         value.backward()
+        if run.cell.dropped_forward and step % 3 == 1:
+            with run.autocast():
+                run.model(*(2 * x.to(run.device) for x in inputs))  # its loss never runs a backward
         total = value.detach().float().clone()
         dist.all_reduce(total)
         series["loss"].append(total.item() / dist.get_world_size())
