@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from harness import backend as backend_mod
-from harness import gpu_lease
+from harness import gpu_lease, node_ids
 from harness import procs as procs_mod
 from harness.bucket import Bucket, BucketSetup, TestOutcome
 from harness.combine import ReportBuilder, needs_restart, warn_state_changes
@@ -83,6 +83,7 @@ class Controller:
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
+        loadgroup = bool(getattr(config.option, "loadgroup", False))
         for item in items:
             spec = item.stash.get(SPEC_KEY, None)
             missing = backend_mod.missing_requirements(item, config, spec.world_size if spec else None)
@@ -94,6 +95,8 @@ class Controller:
             item.stash[BUCKET_KEY] = key
             item.stash[ORIG_NODEID_KEY] = item.nodeid
             item.add_marker(pytest.mark.xdist_group(name=key.label))
+            if loadgroup:
+                node_ids.add_group_suffix(item, key.label)
         order_by_bucket(items)
 
     # ----- directories ----------------------------------------------------------------------------
@@ -254,7 +257,7 @@ class Controller:
             for item in session.items:
                 orig = item.stash.get(ORIG_NODEID_KEY, None)
                 if orig is not None and item.nodeid != orig:
-                    item._nodeid = orig
+                    node_ids.set_node_id(item, orig)
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.shutdown()
