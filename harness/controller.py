@@ -10,6 +10,7 @@ import pathlib
 import re
 import signal
 import threading
+from collections.abc import Generator
 from typing import Any
 
 import pytest
@@ -83,7 +84,6 @@ class Controller:
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
-        loadgroup = bool(getattr(config.option, "loadgroup", False))
         for item in items:
             spec = item.stash.get(SPEC_KEY, None)
             missing = backend_mod.missing_requirements(item, config, spec.world_size if spec else None)
@@ -95,8 +95,6 @@ class Controller:
             item.stash[BUCKET_KEY] = key
             item.stash[ORIG_NODEID_KEY] = item.nodeid
             item.add_marker(pytest.mark.xdist_group(name=key.label))
-            if loadgroup:
-                node_ids.add_group_suffix(item, key.label)
         order_by_bucket(items)
 
     # ----- directories ----------------------------------------------------------------------------
@@ -244,20 +242,32 @@ class Controller:
         """Kill whatever is still running; called at unconfigure, on Ctrl-C and at interpreter exit."""
         self.close_active(graceful=False)
 
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_finish(self, session: pytest.Session) -> None:
-        """Remember the items; under xdist loadgroup, undo the ``@group`` node-id suffix.
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> Generator[None, None, None]:
+        """Remember the items; under xdist loadgroup the buckets' node ids carry their ``@group``
+        suffix only while the other plugins' ``pytest_collection_finish`` run.
 
-        xdist appends the group to each node id so its scheduler can group them; the scheduler has
-        read the ids by now (worker collection report), and reports, JUnit names and ``--lf`` should
-        keep the real node ids.
+        xdist appends the group to each node id (pytest < 9.2: its own ``pytest_collection_modifyitems``;
+        9.2: ``node_ids.add_group_suffix`` here, after every other hook of the collection, e.g. a
+        conftest selecting tests by node id, has seen the real ids) so that its scheduler can group
+        them; the worker reports the ids in its own ``pytest_collection_finish``. Afterwards the
+        real ids come back, for reports, JUnit names and ``--lf``.
         """
-        session.config.stash[ITEMS_KEY] = list(session.items)
-        if hasattr(session.config, "workerinput"):
+        worker = hasattr(session.config, "workerinput")
+        if worker and getattr(session.config.option, "loadgroup", False):
             for item in session.items:
-                orig = item.stash.get(ORIG_NODEID_KEY, None)
-                if orig is not None and item.nodeid != orig:
-                    node_ids.set_node_id(item, orig)
+                key = item.stash.get(BUCKET_KEY, None)
+                if key is not None:
+                    node_ids.add_group_suffix(item, key.label)
+        try:
+            return (yield)
+        finally:
+            session.config.stash[ITEMS_KEY] = list(session.items)
+            if worker:
+                for item in session.items:
+                    orig = item.stash.get(ORIG_NODEID_KEY, None)
+                    if orig is not None and item.nodeid != orig:
+                        node_ids.set_node_id(item, orig)
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.shutdown()

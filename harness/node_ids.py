@@ -8,7 +8,9 @@ where pytest < 9.2 keeps the id; pytest 9.2 keeps it in a structured ``item._id`
 the scheduler spreads a bucket's tests over the workers, each starting rank processes of its own
 (measured: a 20-test bucket under ``-n 2`` ran on two sets of ranks with pytest 9.2.0). The
 harness therefore writes the suffix of its own buckets itself, the way the running pytest keeps
-ids, and restores the real ids once the worker has reported them.
+ids, around the worker's ``pytest_collection_finish`` (``Controller``): not earlier, since hooks
+of the collection may select tests by node id (adding it in ``pytest_collection_modifyitems``
+made the L0 conftest miss 43 of its 92 cells), and the real ids come back once reported.
 """
 from __future__ import annotations
 

@@ -2,8 +2,10 @@
 rendezvous, and with (fake) GPUs each worker leases disjoint GPUs for its bucket."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
-from harness_selftest import pid_alive, run_samples
+from harness_selftest import SAMPLES, pid_alive, run_samples
 
 
 # Two xdist workers each start a 2-rank bucket at once (about 80 s on 2 loaded cores). The lease
@@ -30,3 +32,38 @@ def test_bucket_stays_on_one_worker_by_default(tmp_path):
     pids = [c.rank_props("pid") for c in run.cases.values()]
     assert len(pids) == 20 and all(p == pids[0] for p in pids)
     assert len({c.prop("controller_pid") for c in run.cases.values()}) == 1
+
+
+_SELECT_BY_NODE_ID = '''"""Marks tests ``picked`` by node id, as tests/functional/conftest.py marks its L0 cells."""
+import pytest
+
+PICKED = ("sample_bucket20.py::test_trivial[3]", "sample_bucket20.py::test_trivial[11]",
+          "sample_bucket20.py::test_trivial[17]")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "picked: selected by node id")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.nodeid.endswith(PICKED):
+            item.add_marker(pytest.mark.picked)
+'''
+
+
+def test_a_selection_by_node_id_keeps_its_tests_and_their_bucket(tmp_path):
+    """A conftest that picks tests by node id (as ``tests/functional/conftest.py`` picks its L0
+    cells) sees the real ids under ``-n 2``: the ``@group`` suffix the scheduler needs is on the
+    ids only while a worker reports them (with pytest 9.2, where the harness writes it, adding it
+    earlier once dropped 43 of the 92 L0 tests); the picked tests share one set of rank processes."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(_SELECT_BY_NODE_ID)
+    shutil.copy(SAMPLES / "sample_bucket20.py", suite)
+    run = run_samples(tmp_path, str(suite / "sample_bucket20.py"), args=("-n", "2", "-m", "picked"), timeout=400)
+    assert run.returncode == 0, run.output[-3000:]
+    assert sorted(run.cases) == ["test_trivial[11]", "test_trivial[17]", "test_trivial[3]"], run.output[-3000:]
+    pids = [c.rank_props("pid") for c in run.cases.values()]
+    assert all(p == pids[0] for p in pids), pids
