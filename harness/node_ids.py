@@ -26,16 +26,21 @@ def _node_id_class() -> type | None:
     return NodeId  # type: ignore[no-any-return,unused-ignore]
 
 
+def _structured_class(item: pytest.Item) -> type | None:
+    """The ``NodeId`` class when the item keeps its id as one (pytest 9.2 and later), else None."""
+    cls = _node_id_class()
+    return cls if cls is not None and isinstance(getattr(item, "_id", None), cls) else None
+
+
 def structured_ids(item: pytest.Item) -> bool:
     """Whether this pytest keeps the item's id as a ``NodeId`` object (9.2 and later)."""
-    cls = _node_id_class()
-    return cls is not None and isinstance(getattr(item, "_id", None), cls)
+    return _structured_class(item) is not None
 
 
 def set_node_id(item: pytest.Item, nodeid: str) -> None:
     """Make ``item.nodeid`` read ``nodeid``."""
-    cls = _node_id_class()
-    if cls is not None and isinstance(getattr(item, "_id", None), cls):
+    cls = _structured_class(item)
+    if cls is not None:
         item._id = cls.parse(nodeid)  # type: ignore[attr-defined]
     else:
         item._nodeid = nodeid
