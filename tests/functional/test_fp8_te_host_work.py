@@ -195,15 +195,21 @@ def _current_linear(linear: torch.nn.Linear) -> standin.TeLinear:
     return module
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["regather", "keep_transpose"])
-def test_current_scaling_host_work_is_batched(keep: bool, stand_in_te: None, count_syncs: None, dist_env) -> None:
-    ref = ft.train_reference(standin.swap(ft.build(None), standin.qdq), 2, STEPS, 1, dist_env.device)
-    module = standin.swap(ft.build(None).to(dist_env.device), _current_linear)
+def _wrapped(device: torch.device, keep: bool) -> tuple[torch.nn.Module, Any, list[Any], int]:
+    """The stand-in TE model under ``fully_shard`` (fp32 main params, ``keep_fp8_transpose_cache=keep``):
+    (model, optimizer, its FP8 units, their FP8 weight count)."""
+    module = standin.swap(ft.build(None).to(device), _current_linear)
     model, opt = fully_shard(module, torch.optim.Adam(module.parameters(), lr=1e-2), fsdp_unit_modules=[ft.Fp8Block],
                              mixed_precision_policy=MixedPrecisionPolicy(main_params_dtype=torch.float32),
                              keep_fp8_transpose_cache=keep)
     units = [u for u in model._fsdp_engine.units if u.fp8 is not None]
-    weights = sum(len(u.fp8.fp8_params) for u in units)
+    return model, opt, units, sum(len(u.fp8.fp8_params) for u in units)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["regather", "keep_transpose"])
+def test_current_scaling_host_work_is_batched(keep: bool, stand_in_te: None, count_syncs: None, dist_env) -> None:
+    ref = ft.train_reference(standin.swap(ft.build(None), standin.qdq), 2, STEPS, 1, dist_env.device)
+    model, opt, units, weights = _wrapped(dist_env.device, keep)
     assert len(units) == 2 and weights == 4, "stand-in TE weights not taken as FP8"
     losses = ft.train_fsdp(model, opt, dist_env.rank, STEPS, 1, dist_env.device)
     assert losses == ref.losses, f"{losses} vs reference {ref.losses}"
@@ -218,6 +224,34 @@ def test_current_scaling_host_work_is_batched(keep: bool, stand_in_te: None, cou
     assert CALLS["post_all_gather_processing"] == (len(units) * steps if keep else 0), CALLS
     syncs = {k: v for k, v in CALLS.items() if k.startswith("sync:")}
     assert not syncs, f"host synchronisations inside the FP8 hooks: {syncs}"
+
+
+def _kept_transpose_run(device: torch.device, rank: int, dropped_forward: bool) -> list[float]:
+    """``STEPS`` steps of the stand-in TE model with kept transposes (this rank's losses);
+    ``dropped_forward``: after the second backward, one more forward whose loss never runs a
+    backward, so its units keep the transposes of the bytes before the optimizer step."""
+    model, opt, _, _ = _wrapped(device, True)
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.to(device) for t in ft.batch(step, rank, 0))
+        loss = ft.loss_fn(model(x), y)
+        loss.backward()
+        if dropped_forward and step == 1:
+            ft.loss_fn(model(2 * x), y)  # never backpropagated
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_transposes_of_old_bytes_are_rebuilt(stand_in_te: None, dist_env) -> None:
+    """Two ranks, kept transposes: a forward whose backward never runs keeps its units'
+    transposes; after the optimizer step the next forward gathers new bytes, and every transpose
+    must be rebuilt from them (``fill_te`` drops the old ones): the stand-in's backward reads
+    them, so the losses equal those of the run without that forward bit for bit."""
+    plain = _kept_transpose_run(dist_env.device, dist_env.rank, dropped_forward=False)
+    dropped = _kept_transpose_run(dist_env.device, dist_env.rank, dropped_forward=True)
+    assert dropped == plain, (dropped, plain)
 
 
 def test_current_scaling_cast_reuses_its_state(stand_in_te: None, dist_env) -> None:

@@ -303,6 +303,21 @@ def fp8_held_unit_kept_into_the_next_forward() -> None:
     replace("fsdp_impl.unit:FSDPUnit.reshard", make)
 
 
+def fp8_stale_transpose_kept() -> None:
+    """When new FP8 bytes land, a TE weight that still has a valid transpose keeps it instead of
+    building it from the new bytes: after a forward whose backward never ran and an optimizer
+    step, the next backward reads the old bytes' transpose."""
+    def make(original: Any) -> Any:
+        te_fill = original["te"]
+
+        def fill(params: list, keep_transpose: bool) -> None:
+            te_fill([p for p in params if not p.has_transpose()], keep_transpose)
+            for p in params:
+                p.attach()
+        return dict(original, te=fill)
+    replace("fsdp_impl.fp8_params:FILL", make)
+
+
 def nccl_ub_registration_order_per_rank() -> None:
     """NCCL user buffers are registered with the model's groups in an order that depends on the
     rank (odd ranks reversed): registration is collective per group, so ranks would wait for
@@ -441,6 +456,10 @@ MUTANTS = (
            "stale compute params into the next forward",
            (F + "test_fp8.py", "-k", "test_one_rank_fp8_units_hold_their_params_through_backward"),
            numerics="one rank, FP8 params with kept transposes, after a forward whose backward never ran"),
+    Mutant("fp8_stale_transpose_kept", "a TE FP8 weight keeps the transpose of its previous bytes",
+           (F + "test_fp8_te_host_work.py", "-k", "test_transposes_of_old_bytes_are_rebuilt"),
+           numerics="TE FP8 parameters with kept transposes, after a forward whose backward never ran",
+           numerics_gpu_only=True),
     Mutant("optimizer_step_not_noted", "fused optimizer step leaves ZeRO-1/2 compute weights stale",
            (F + "test_engine_features.py", "-k", "test_fused_optimizer_step_reaches_the_next_forward"),
            numerics="every step with a fused optimizer (ZeRO-1/2)"),
