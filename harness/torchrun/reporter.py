@@ -20,6 +20,7 @@ import pytest
 from harness import protocol
 from harness.combine import ReportBuilder, warn_state_changes
 from harness.outcome import Fault, TestOutcome
+from harness.torchrun import groups
 from harness.torchrun.faults import FaultBuilder
 from harness.torchrun.state import TakeOver
 from harness.torchrun.watchdog import end_process, say
@@ -77,6 +78,8 @@ class Reporter:
         with self.session.lock:
             self.session.park_if_abandoned(locked=True)
             self.report(run, res.payloads, fault, res.at - run.start)
+        if fault is None and len(res.payloads) == self.world_size:
+            self.session.release_next = groups.merge(p.get("groups") for p in res.payloads.values())
         for r in res.payloads:  # torchrun's store lives as long as the job: keep it small
             store.delete_key(protocol.key_res(run.seq, r))
 

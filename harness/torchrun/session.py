@@ -42,6 +42,7 @@ from harness.outcome import payload_failed
 from harness.rank_guard import RankGuard
 from harness.spec import SPEC_KEY, resolve_startup_timeout, resolve_timeout
 from harness.torchrun import dirs, link
+from harness.torchrun.groups import GroupJanitor
 from harness.torchrun.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S, Liveness
 from harness.torchrun.placement import Place, Placement, publish
 from harness.torchrun.reporter import Reporter
@@ -57,6 +58,7 @@ from harness.torchrun.watchdog import (
 )
 
 JUNIT_PATH_KEY = pytest.StashKey[str | None]()
+KEPT_GROUPS_WARN = 64  # gloo groups still referenced after a test, on one rank, before a warning
 END_WAIT_S = 10.0
 FINAL_WAIT_OTHERS_S = 120.0
 
@@ -116,6 +118,9 @@ class TorchrunSession:
         self.pytest_session: pytest.Session | None = None
         self.state: RankState | None = None
         self.guard = RankGuard()
+        self.janitor = GroupJanitor()
+        self._warned_kept = False
+        self.release_next: list[str] = []  # rank 0: groups every rank destroys before the next test
         config.pluginmanager.register(self.guard, "fsdp_harness_rank_guard")
         self.reporter = Reporter(self) if self.rank == 0 else None
         self.watchdog = RankWatchdog(self.rank, self.watch_store, SignalPipe(), lambda: self.phase,
@@ -278,6 +283,7 @@ class TorchrunSession:
             return True
         assert self.state is not None
         self.state.shared_tmp = pathlib.Path(go["shared_tmp"]) if go.get("shared_tmp") else None
+        self._release_groups(go.get("release_groups") or [], seq)
         self._prepare_group(item, seq)
         spec = item.stash.get(SPEC_KEY, None)
         run = Running(seq, item, time.monotonic(), resolve_timeout(self.config, spec, self.backend))
@@ -294,7 +300,7 @@ class TorchrunSession:
         outcome = next((r.outcome for r in reports if r.failed), None) or \
             next((r.outcome for r in reports if r.skipped), "passed")
         self._log(f"test {seq} {outcome} on this rank in {time.monotonic() - run.start:.2f} s")
-        self._answer(run, reports, changes)
+        self._answer(run, reports, changes, self._survey_groups())
         if self.reporter is not None:
             self.reporter.gather(run)
         self.enter(Phase.IDLE)
@@ -308,6 +314,9 @@ class TorchrunSession:
             self._wait_for(key)
             return protocol.get(self.store, key)
         go: dict[str, Any] = {"op": "stop" if item.session.shouldstop or item.session.shouldfail else "run"}
+        if go["op"] == "run" and self.release_next:
+            go["release_groups"] = self.release_next
+        self.release_next = []
         if go["op"] == "run" and "shared_tmp_path" in getattr(item, "fixturenames", ()):
             assert self.state is not None
             name = re.sub(r"[^A-Za-z0-9_.-]+", "_", item.name)[-60:]
@@ -352,13 +361,36 @@ class TorchrunSession:
             dist.destroy_process_group()
         self.own_group = None
 
-    def _answer(self, run: Running, reports: list[pytest.TestReport], changes: list[str]) -> None:
+    def _survey_groups(self) -> dict[str, list[str]]:
+        """The gloo process groups this rank holds after a test, orphaned or kept (``groups``)."""
+        try:
+            survey = self.janitor.survey()
+        except Exception as exc:  # never fail a test over it: nothing is released then
+            self._log(f"surveying process groups failed: {exc!r}")
+            return {"orphaned": [], "kept": []}
+        if len(survey["kept"]) > KEPT_GROUPS_WARN and not self._warned_kept:
+            self._warned_kept = True
+            say(f"rank {self.rank}: the tests keep {len(survey['kept'])} gloo process groups referenced (each "
+                "has a thread that wakes every 10 ms); on few cores many of them starve every rank")
+        return survey
+
+    def _release_groups(self, names: list[str], seq: int) -> None:
+        """Destroy the groups earlier tests left behind, as rank 0 decided (every rank the same ones)."""
+        if not names:
+            return
+        done = self.janitor.release(names)
+        shown = ", ".join(done[:8]) + (", ..." if len(done) > 8 else "")
+        self._log(f"before test {seq}: destroyed {len(done)} process group(s) earlier tests left behind"
+                  + (f" ({shown})" if done else ""))
+
+    def _answer(self, run: Running, reports: list[pytest.TestReport], changes: list[str],
+                groups: dict[str, list[str]]) -> None:
         assert self.state is not None
         spill_dir = (self.node_dir or self.state.session_shared_dir) / f"rank{self.rank}-output"
         host = self.placement.own.host if self.placement.multinode() else None
         spiller = payload_mod.Spiller(spill_dir, f"{run.seq:05d}-{run.item.name}", host=host)
         payload: dict[str, Any] = {
-            "rank": self.rank, "t": time.time(), "error": None, "state_changes": changes,
+            "rank": self.rank, "t": time.time(), "error": None, "state_changes": changes, "groups": groups,
             "reports": payload_mod.serialize_reports(self.config, reports, spiller)}
         payload = payload_mod.fit(payload, lambda size: (
             f"rank {self.rank}: the reports of {run.item.nodeid} are {size} bytes even with captured output "
