@@ -15,6 +15,19 @@ HARNESS_PYTEST_RC_NO_TESTS=5
 
 harness_log() { echo "[harness] $*" >&2; }
 
+# harness_require_int NAME VALUE MIN MAX [WHY]: succeed when VALUE is a whole number from MIN to MAX
+# (leading zeros allowed, read as decimal); otherwise log an error naming the variable, its value, the
+# range (and WHY, when given) and return 2. Checked before any arithmetic: bash would read "abc" as an unset variable (set -u) and
+# "08" as bad octal.
+harness_require_int() {
+    local name=$1 value=$2 min=$3 max=$4 why=${5:-}
+    if [[ "$value" =~ ^[0-9]{1,18}$ ]] && ((10#$value >= min && 10#$value <= max)); then
+        return 0
+    fi
+    harness_log "ERROR: $name='$value' is not allowed: it must be a whole number from $min to $max${why:+ ($why)}"
+    return 2
+}
+
 # Print the generation of a GPU from its nvidia-smi name and compute capability.
 harness_gen_of_gpu() {
     local name=$1 cc=$2

@@ -43,12 +43,8 @@ harness_slurm_head() {
 # paths, the two command arrays) from the Slurm environment and the HARNESS_* settings.
 harness_slurm_plan() {
     local gen=$1 gpus=$2 tier=$3 python expr out name torchrun
-    slurm_nnodes=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-2}}
-    slurm_job=${SLURM_JOB_ID:-0}
-    slurm_nproc=${HARNESS_NPROC_PER_NODE:-$gpus}
+    harness_slurm_numbers "$gen" "$gpus" || return $?
     slurm_head=$(harness_slurm_head)
-    slurm_port=${HARNESS_RDZV_PORT:-$((20000 + slurm_job % 20000))}
-    slurm_join=${HARNESS_RDZV_JOIN_TIMEOUT:-600}
     out=${HARNESS_OUT_DIR:-results}
     case "$out" in /*) ;; *) out="$HARNESS_REPO_ROOT/$out" ;; esac
     name="${tier}_multinode"
@@ -82,6 +78,34 @@ harness_slurm_plan() {
     harness_slurm_signoff_cmd --junit "$slurm_xml"
 }
 
+# harness_slurm_numbers GEN GPUS_PER_NODE: read and check every number of the plan (slurm_nnodes,
+# slurm_job, slurm_nproc, slurm_port, slurm_join) from the Slurm environment and the HARNESS_* settings;
+# a bad one is an error naming the variable, its value and the allowed range (status 2), before
+# anything runs: a node count of 0 would print "world 0", and a GPU generation with more ranks per
+# node than GPUs would leave ranks without a GPU, so the harness would fall back to gloo.
+harness_slurm_numbers() {
+    local gen=$1 gpus=$2 nodes_var=SLURM_NNODES max_nproc=$2 why="one rank per GPU, $2 GPUs per $1 node"
+    if [ -z "${SLURM_NNODES:-}" ] && [ -n "${SLURM_JOB_NUM_NODES:-}" ]; then
+        nodes_var=SLURM_JOB_NUM_NODES
+    fi
+    if [ "$gen" = cpu ]; then
+        max_nproc=256 why=""
+    fi
+    slurm_nnodes=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:-2}}
+    harness_require_int "$nodes_var" "$slurm_nnodes" 1 10000 || return 2
+    slurm_job=${SLURM_JOB_ID:-0}
+    harness_require_int SLURM_JOB_ID "$slurm_job" 0 4294967295 || return 2
+    slurm_nproc=${HARNESS_NPROC_PER_NODE:-$gpus}
+    harness_require_int HARNESS_NPROC_PER_NODE "$slurm_nproc" 1 "$max_nproc" "$why" || return 2
+    slurm_port=${HARNESS_RDZV_PORT:-$((20000 + 10#$slurm_job % 20000))}
+    harness_require_int HARNESS_RDZV_PORT "$slurm_port" 1 65535 || return 2
+    slurm_join=${HARNESS_RDZV_JOIN_TIMEOUT:-600}
+    harness_require_int HARNESS_RDZV_JOIN_TIMEOUT "$slurm_join" 1 86400 || return 2
+    # As decimal numbers from here on ("08" stays 8).
+    slurm_nnodes=$((10#$slurm_nnodes)) slurm_job=$((10#$slurm_job)) slurm_nproc=$((10#$slurm_nproc))
+    slurm_port=$((10#$slurm_port)) slurm_join=$((10#$slurm_join))
+}
+
 # harness_slurm_signoff_cmd INPUT...: set slurm_signoff_cmd, the sign-off over INPUT
 # (--junit FILE, or --missing-run RUN when the job left no results).
 harness_slurm_signoff_cmd() {
@@ -91,7 +115,8 @@ harness_slurm_signoff_cmd() {
 # harness_slurm_export GEN TIER: what the ranks read (srun passes the environment on).
 harness_slurm_export() {
     local gen=$1 tier=$2
-    export HARNESS_GEN=$gen HARNESS_TIER=$tier HARNESS_GPU_COUNT=$slurm_nproc
+    # HARNESS_NNODES: the harness checks after the rendezvous that it formed this many nodes.
+    export HARNESS_GEN=$gen HARNESS_TIER=$tier HARNESS_GPU_COUNT=$slurm_nproc HARNESS_NNODES=$slurm_nnodes
     harness_export_caps "$gen"
     if [ "$gen" = cpu ]; then
         export HARNESS_FORCE_CPU=1 CUDA_VISIBLE_DEVICES=""
@@ -142,7 +167,7 @@ harness_slurm_run_tier() {
         return 2
     fi
     cd "$HARNESS_REPO_ROOT" || return 2
-    harness_slurm_plan "$gen" "$gpus" "$tier"
+    harness_slurm_plan "$gen" "$gpus" "$tier" || return $?
     harness_slurm_export "$gen" "$tier"
     harness_log "slurm: $tier on $slurm_nnodes x $gen nodes, $slurm_nproc ranks each (world" \
         "$((slurm_nnodes * slurm_nproc))); rendezvous c10d at $slurm_head:$slurm_port, join_timeout ${slurm_join}s"

@@ -41,7 +41,7 @@ from harness.nodes import ENV_SHARED_DIR, PLACEMENT_KEY
 from harness.outcome import payload_failed
 from harness.rank_guard import RankGuard
 from harness.spec import SPEC_KEY, resolve_startup_timeout, resolve_timeout
-from harness.torchrun import dirs, link
+from harness.torchrun import dirs, link, nodecount
 from harness.torchrun.groups import GroupJanitor
 from harness.torchrun.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S, Liveness
 from harness.torchrun.placement import Place, Placement, publish
@@ -246,8 +246,10 @@ class TorchrunSession:
         """Every rank must have collected the same items, in the same order."""
         ids = [item.nodeid for item in session.items]
         digest = hashlib.sha1("\n".join(ids).encode()).hexdigest()
+        nodecount.post(self.store, self.rank)
         protocol.put(self.store, protocol.key_collected(self.rank), [len(ids), digest])
         self._wait_for_collection()
+        nodecount.check(self.store, self.placement, self.world_size)
         seen = {r: tuple(protocol.get(self.store, protocol.key_collected(r))) for r in range(self.world_size)}
         if len(set(seen.values())) > 1:
             detail = ", ".join(f"rank {r}: {n} items ({d[:10]})" for r, (n, d) in seen.items())
