@@ -13,6 +13,11 @@ A ``@pytest.mark.distributed`` test (whose world size must equal WORLD_SIZE, els
 one initialised: the suite's own if there is one, else one the harness creates (NCCL with a GPU per
 local rank, else gloo) and destroys again before the next unmarked test.
 
+Between tests every rank destroys the gloo process groups the previous tests left behind and nothing
+can reach any more, as rank 0 decided from every rank's survey (``harness.torchrun.groups``); before
+the first test every rank checks that the rendezvous formed as many nodes as it was started for
+(``harness.torchrun.nodecount``).
+
 Faults: a test that exceeds its timeout on any rank, or whose ranks stay blocked past the grace
 period after one failed, fails with every rank's stacks and ends the session; so does SIGTERM
 (torchrun stops all ranks when one exits with an error, e.g. a crash, and so does a cancelled job).
