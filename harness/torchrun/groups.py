@@ -22,6 +22,11 @@ destroys those of them it reported orphaned, in name order, when it reads the ne
 (every rank has finished the previous test then, and no test runs). ``destroy_process_group`` of a
 subgroup is no collective; the peers' sockets just close.
 
+Torch's own DTensor caches keep meshes of earlier tests alive (after a ``torch.compile``d Megatron
+case the C++ fast path of sharding propagation held its mesh, which Python's ``gc`` cannot see): when
+a survey finds groups still held, it empties those memo caches (``_clear_dtensor_caches``) and looks
+again. A cache recomputes what it held; afterwards no entry can hand out a mesh whose groups are gone.
+
 Only gloo groups are released: they are the ones that poll, and destroying an NCCL communicator may
 block on its peers in some NCCL versions (left for a GPU check). A group reachable only through its
 name kept as a string elsewhere (not a mesh) would fail loudly if resolved later ("could not resolve
@@ -30,6 +35,7 @@ the process group"), never silently.
 from __future__ import annotations
 
 import gc
+import importlib
 import re
 import sys
 from collections.abc import Iterable
@@ -122,6 +128,46 @@ def _mesh_group_names() -> set[str]:
     return names
 
 
+def _classify(c10d: Any) -> tuple[list[str], list[str]]:
+    """After ``gc.collect()``: the names of this rank's gloo groups nothing reaches, and of the rest."""
+    gc.collect()
+    groups = _candidates(c10d)
+    in_meshes = _mesh_group_names()
+    outside = _outside_refs(groups, _registries(c10d))
+    orphaned: list[str] = []
+    kept: list[str] = []
+    for pg, refs in zip(groups, outside, strict=True):
+        name = _name(c10d, pg)
+        (orphaned if refs <= 0 and name not in in_meshes else kept).append(name)
+    return orphaned, kept
+
+
+def _clear_dtensor_caches() -> bool:
+    """Empty DTensor's memo caches (sharding propagation, Python and the C++ fast path; redistribution
+    plans; mesh topology), which keep the meshes of earlier tests, and so their groups, alive: after a
+    ``torch.compile``d case the C++ fast path's cache alone held each of Megatron's meshes. Caches
+    only: what they return is recomputed the same, and afterwards no entry can hand out a mesh whose
+    groups are gone. Nothing happens unless DTensor is loaded; each piece is optional (torch
+    versions differ). True when something was cleared."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    cleared = False
+    for module, name in (("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
+                         ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache")):
+        try:
+            getattr(importlib.import_module(module), name)()
+            cleared = True
+        except (ImportError, AttributeError):
+            continue
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    topology = getattr(sys.modules.get("torch.distributed.tensor._collective_utils"), "MeshTopoInfo", None)
+    for cached in (getattr(redistribute, "_gen_transform_infos", None), getattr(topology, "build_from_mesh", None)):
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+            cleared = True
+    return cleared
+
+
 class GroupJanitor:
     """One rank's side: ``survey`` after a test, ``release`` what rank 0 says before the next one."""
 
@@ -142,16 +188,9 @@ class GroupJanitor:
             self._seen = names
             self._orphaned &= names
             return {"orphaned": sorted(self._orphaned, key=_order), "kept": sorted(names - self._orphaned, key=_order)}
-        gc.collect()
-        groups = _candidates(c10d)
-        in_meshes = _mesh_group_names()
-        outside = _outside_refs(groups, _registries(c10d))
-        orphaned: list[str] = []
-        kept: list[str] = []
-        for pg, refs in zip(groups, outside, strict=True):
-            name = _name(c10d, pg)
-            (orphaned if refs <= 0 and name not in in_meshes else kept).append(name)
-        del groups
+        orphaned, kept = _classify(c10d)
+        if kept and _clear_dtensor_caches():
+            orphaned, kept = _classify(c10d)
         self._seen = set(orphaned) | set(kept)
         self._orphaned = set(orphaned)
         return {"orphaned": sorted(orphaned, key=_order), "kept": sorted(kept, key=_order)}

@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 N_TESTS = 12
+N_DTENSOR_TESTS = 4  # each leaves its mesh's one size-1 group per rank, held by DTensor's caches only
 SUITE_GROUPS = 2  # per rank: KEPT's group and the class mesh's "tp" group
 PER_TEST = 3  # per rank: the mesh's two size-1 dimensions and the test's own subgroup
 KEPT: dict = {}
@@ -49,6 +51,15 @@ class TestMeshPerTest:
         dist.barrier()
         del mesh, sub  # as Megatron's destroy_device_mesh: the groups stay registered
 
+    @pytest.mark.parametrize("i", range(N_DTENSOR_TESTS))
+    def test_dtensor_op_per_test(self, i):
+        """After the test only torch's DTensor caches (sharding propagation, mesh topology) still hold
+        its mesh: the harness empties them before it looks, so the mesh's group goes too."""
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("outer", "shard"))
+        x = distribute_tensor(torch.arange(4.0).reshape(4, 1), mesh, [Replicate(), Shard(0)])
+        assert float((x * 2 + i).sum().full_tensor()) == 12.0 + 4 * i
+        del mesh, x
+
     def test_groups_the_suite_holds_still_work(self):
         t = torch.ones(1)
         dist.all_reduce(t, group=KEPT["group"])
@@ -61,5 +72,5 @@ class TestMeshPerTest:
         live = live_groups()
         threads = len(os.listdir("/proc/self/task"))
         assert len(live) <= SUITE_GROUPS + PER_TEST, (
-            f"{len(live)} process groups alive on rank {dist.get_rank()} after {N_TESTS} tests that each left "
-            f"{PER_TEST} behind ({threads} threads): the harness did not destroy what no test can reach")
+            f"{len(live)} process groups alive on rank {dist.get_rank()} after {N_TESTS + N_DTENSOR_TESTS} tests "
+            f"that each left some behind ({threads} threads): the harness did not destroy what no test can reach")
