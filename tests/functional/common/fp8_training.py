@@ -65,8 +65,11 @@ def build(recipe: str | None, fp8_params: bool = True, meta: bool = False, seed:
     """The model (``recipe=None``: plain bf16), same weights for the same seed, eager or meta;
     ``recompute``: each block's MLP recomputed in the backward."""
     torch.manual_seed(seed)
-    with torch.device("meta") if meta else contextlib.nullcontext():
-        model = Fp8Net(recompute=recompute)
+    if meta:
+        with torch.device("meta"):
+            model = Fp8Net(recompute=recompute)
+    else:  # initialised in fp32 and cast: the weights do not depend on torch's bf16 random path
+        model = Fp8Net(dtype=torch.float32, recompute=recompute).to(torch.bfloat16)
     if recipe is None:
         return model
     keep_head = recipe == "blockwise"
