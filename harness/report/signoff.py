@@ -14,7 +14,6 @@ unusable input.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from harness.report.regressions import parse_required_regressions
 from harness.report.runs import Run, load_runs, merged_junit
 from harness.report.sections import Report, build_report, read_mutants, split_mutants
 from harness.report.speed import SpeedView, compare, find_baseline, read_baseline, read_bench
-from harness.report.summary import summary
+from harness.report.summary import dumps, summary
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_TITLE = "QA sign-off report"
@@ -85,7 +84,7 @@ def _outputs(args: argparse.Namespace) -> dict[str, pathlib.Path]:
 
 def _write(outputs: dict[str, pathlib.Path], rep: Report, runs: list[Run]) -> None:
     texts = {"md": lambda: render_md.render(rep, with_assets=True), "html": lambda: render_html.render(rep),
-             "json": lambda: json.dumps(summary(rep), indent=1, default=str) + "\n"}
+             "json": lambda: dumps(summary(rep))}
     for kind, path in outputs.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         if kind == "junit":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from typing import Any
 
 from harness.report import golden_view
@@ -74,3 +76,21 @@ def summary(rep: Report) -> dict[str, Any]:
         "mutants": rep.mutants,
         "golden_mutants": rep.golden_mutants,
     }
+
+
+def strict(value: Any) -> Any:
+    """``value`` with every NaN or infinity as its text (``"nan"``, ``"inf"``): JSON has no such
+    numbers, and Python's ``NaN`` literal breaks strict readers (a bad bench figure must not make
+    the summary unreadable for the dashboards that should show it)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
+def dumps(data: Any) -> str:
+    """Strict JSON text of ``data`` (``strict``; anything else JSON cannot hold as its ``str``)."""
+    return json.dumps(strict(data), indent=1, default=str, allow_nan=False) + "\n"
