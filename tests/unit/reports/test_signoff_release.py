@@ -196,3 +196,59 @@ def test_golden_mutants_are_reported_apart_and_noted(tmp_path, capsys) -> None:
     other.write_text(json.dumps(summary))
     code, _, err = run_main(["--junit", ok, "--mutants", path, "--mutants", other], capsys)
     assert code == signoff.EXIT_BAD_INPUT and "at most one --mutants summary" in err
+
+
+def with_status(status: object, **extra: object) -> str:
+    """A comparison as the writer makes it, with its status replaced and keys added."""
+    data = json.loads(golden_json("zero3", "match", LOSS, LOSS))
+    data.update(status=status, **extra)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("status", ["MATCH", "Match", "ok", "passed", "", None, 1])
+def test_an_unknown_golden_status_fails_and_is_named(tmp_path, capsys, status) -> None:
+    """Before: an unknown status was dropped, giving "0 golden cell(s) match" and PASS."""
+    xml = junit(tmp_path / "bad.xml", case("test_golden_world2[zero3]", [prop(GOLDEN_PROPERTY, with_status(status))]))
+    code, md, _ = run_main(["--junit", xml], capsys)
+    assert code == signoff.EXIT_FAIL, md
+    result, evidence = rules(md)["golden values"]
+    assert result == "FAILED"
+    assert evidence == (f"1 recorded an unreadable comparison: `zero3` (cpu, cpu/L0_functional) (first: unknown "
+                        f"status {status!r} (the harness writes match, drift, missing, updated))")
+    (row,) = table_rows(md, "## Numerics vs golden")
+    assert row["status"] == "UNREADABLE" and f"unknown status {status!r}" in row["detail"]
+
+
+@pytest.mark.parametrize("raw, detail", [
+    ("{not json", "not JSON: Expecting property name enclosed in double quotes"),
+    ("", "not JSON: Expecting value"),
+    ("null", "not a JSON object but NoneType: null"),
+    ('["match"]', "not a JSON object but list"),
+    ('"match"', "not a JSON object but str"),
+    ('{"status": "match"}', "KeyError: 'cell'"),
+    ('{"cell": "zero3", "status": "match", "series": {"loss": {"run": ["x"]}}}', "ValueError: could not convert"),
+    ('{"cell": "zero3", "status": "match", "series": [1, 2]}', "AttributeError"),
+])
+def test_an_unreadable_golden_property_fails_with_its_reason(tmp_path, capsys, raw, detail) -> None:
+    xml = junit(tmp_path / "bad.xml", case("test_golden_world2[zero3]", [prop(GOLDEN_PROPERTY, raw)]))
+    code, md, _ = run_main(["--junit", xml], capsys)
+    result, evidence = rules(md)["golden values"]
+    assert code == signoff.EXIT_FAIL and result == "FAILED", md
+    assert evidence.startswith("1 recorded an unreadable comparison: `zero3`") and detail in evidence, evidence
+
+
+def test_every_golden_property_of_a_test_counts_and_extra_keys_are_ignored(tmp_path, capsys) -> None:
+    """A test that checks two cells records two properties: the second is read too (an unknown
+    status there fails); keys a newer writer adds (fingerprints) do not disturb the reader."""
+    newer = with_status("match", fingerprint={"sha256": "ab" * 32, "bytes": 1234}, format_note="v2")
+    ok = junit(tmp_path / "ok.xml", case("test_golden_world2[zero3]", [prop(GOLDEN_PROPERTY, newer)]))
+    code, md, _ = run_main(["--junit", ok], capsys)
+    assert code == signoff.EXIT_PASS and rules(md)["golden values"] == ("ok", "1 golden cell(s) match"), md
+    second = json.loads(with_status("MATCH"))
+    second["cell"] = "zero3_second"
+    two = junit(tmp_path / "two.xml", case("test_golden_world2[zero3]", [
+        prop(GOLDEN_PROPERTY, newer), prop(GOLDEN_PROPERTY, json.dumps(second))]))
+    code, md, _ = run_main(["--junit", two], capsys)
+    assert code == signoff.EXIT_FAIL
+    assert rules(md)["golden values"][1].startswith("1 recorded an unreadable comparison: `zero3_second`")
+    assert "2 golden cell(s) on cpu: 1 UNREADABLE, 1 match." in section(md, "## Numerics vs golden")
