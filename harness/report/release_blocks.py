@@ -14,6 +14,7 @@ from harness.report.sections import Report, gpu_only_here, numerics_survivors
 from harness.report.speed import SpeedRow
 
 MAX_PLOTS = 20  # drifting cells drawn; a torch upgrade that moves every cell still gives a readable page
+COMPAT_CAUSE_CHARS = 480  # a compatibility failure's cause: room for the file problems a damaged fixture lists
 
 
 def _series_names(cells: list[GoldenCell]) -> list[str]:
@@ -111,7 +112,7 @@ def compat_blocks(rep: Report) -> list[Block]:
         curve = "-" if r.golden is None else f"{_status(r.golden)}" + (
             f" ({r.golden.series[0].name} drift {drift_text(r.golden.series[0])})" if r.golden.series else "")
         rows.append([Code(r.fixture), r.check, r.case.run, r.case.outcome if r.ok else r.case.outcome.upper(), curve,
-                     "" if r.ok else Md(f"`{r.case.test_id}`: {one_line_cause(r.case)}")])
+                     "" if r.ok else Md(f"`{r.case.test_id}`: {one_line_cause(r.case, COMPAT_CAUSE_CHARS)}")])
     return out + [fold("Every checkpoint-compatibility test",
                        Table(["fixture", "check", "run", "outcome", "continued curve", "failure"], rows))]
 

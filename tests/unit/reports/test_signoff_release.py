@@ -252,3 +252,56 @@ def test_every_golden_property_of_a_test_counts_and_extra_keys_are_ignored(tmp_p
     assert code == signoff.EXIT_FAIL
     assert rules(md)["golden values"][1].startswith("1 recorded an unreadable comparison: `zero3_second`")
     assert "2 golden cell(s) on cpu: 1 UNREADABLE, 1 match." in section(md, "## Numerics vs golden")
+
+
+DAMAGED = "checkpoint tests/golden/checkpoints/zero3 is damaged ({n} file problem(s)):"
+COMPAT_PROP = prop(CHECKPOINT_COMPAT_PROPERTY, json.dumps({"fixture": "zero3", "check": "loads"}))
+PROBLEMS = ["data/__0_0.distcp: size 1210, manifest says 1234", "data/.metadata: sha256 differs from the manifest"]
+
+
+def damaged_distributed(problems: list[str]) -> str:
+    """A compat test whose fixture is damaged, as a distributed test's JUnit has it (captured from a
+    spawn-mode run): the message is the first line of rank 0's error, the list is in the body."""
+    head = DAMAGED.format(n=len(problems))
+    error = "\n".join([f"E       fsdp_impl.checkpoint.CheckpointCorruptedError: {head}",
+                       *(f"E         {p}" for p in problems)])
+    body = "\n".join(["call failed on rank(s) [0, 1]", "==================== rank 0 (cause): call failed ====",
+                      "    def test_ckpt(cell, dist_env, golden):", ">       extra = load(path, model, opt)", error,
+                      "", "tests/functional/test_checkpoint_compat.py:68: CheckpointCorruptedError",
+                      "==================== rank 1: call failed ====", error])
+    message = f"[rank 0] fsdp_impl.checkpoint.CheckpointCorruptedError: {head}"
+    return case("test_ckpt[zero3]", [COMPAT_PROP, prop("rank0", "failed"), prop("rank1", "failed")],
+                f'<failure message="{html.escape(message, quote=True)}">{html.escape(body)}</failure>',
+                cls=COMPAT_FILE)
+
+
+def damaged_local(problems: list[str]) -> str:
+    """The same refusal in a test pytest ran itself: the whole message, newlines included."""
+    message = "\n  ".join([f"fsdp_impl.checkpoint.CheckpointCorruptedError: {DAMAGED.format(n=len(problems))}",
+                           *problems])
+    return case("test_ckpt[zero3]", [COMPAT_PROP],
+                f'<failure message="{html.escape(message, quote=True).replace(chr(10), "&#10;")}">E   ...</failure>',
+                cls=COMPAT_FILE)
+
+
+@pytest.mark.parametrize("make", [damaged_distributed, damaged_local], ids=["distributed", "local"])
+def test_a_damaged_fixture_shows_its_file_problems_in_the_report(tmp_path, capsys, make) -> None:
+    """Before: the cause stopped at "is damaged (2 file problem(s)):"; the file names were only in the JUnit."""
+    code, md, _ = run_main(["--junit", junit(tmp_path / "ck.xml", make(PROBLEMS))], capsys)
+    assert code == signoff.EXIT_FAIL
+    (row,) = table_rows(md, "## Checkpoint compatibility")
+    assert row["failure"] == ("`tests/functional/test_checkpoint_compat.py::test_ckpt[zero3]`: "
+                              + ("[rank 0] " if make is damaged_distributed else "")
+                              + "fsdp_impl.checkpoint.CheckpointCorruptedError: " + DAMAGED.format(n=2) + " "
+                              + "; ".join(PROBLEMS))
+    failure = table_rows(md, "## Failures by rank", first_header="test")[0]
+    assert "data/__0_0.distcp" in failure["cause"]  # 160 characters there: the first file name fits
+
+
+def test_a_long_problem_list_is_bounded(tmp_path, capsys) -> None:
+    many = [f"data/__{i}_0.distcp: missing" for i in range(500)]
+    code, md, _ = run_main(["--junit", junit(tmp_path / "ck.xml", damaged_distributed(many))], capsys)
+    (row,) = table_rows(md, "## Checkpoint compatibility")
+    cause = row["failure"].split("`: ", 1)[1]
+    assert code == signoff.EXIT_FAIL and len(cause) == 480 and cause.endswith("...")
+    assert "data/__0_0.distcp: missing; data/__1_0.distcp: missing" in cause
