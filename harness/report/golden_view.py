@@ -32,6 +32,7 @@ UNREADABLE = "unreadable"  # a ``golden`` property that is not the JSON harness.
 NO_RESULT = "no result"  # a test of a golden module that failed before it recorded a comparison
 STATUS_ORDER = (GOLDEN_DRIFT, GOLDEN_MISSING, UNREADABLE, NO_RESULT, GOLDEN_UPDATED, GOLDEN_MATCH)
 UPDATE_COMMAND = "python -m pytest -m golden --golden-update '{nodeid}'"
+MAX_PLOTS = 20  # drifting cells drawn (and whose curves summary.json carries); every curve is in details.json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,13 +245,19 @@ def drift_text(s: SeriesView) -> str:
     return f"{s.max_rel_drift:.3g} (within {s.tolerance:g})"
 
 
-def as_json(cell: GoldenCell) -> dict[str, Any]:
-    """A cell for ``summary.json``: the curves only where they drifted (the reviewed file has the rest)."""
+def plotted(cells: Sequence[GoldenCell]) -> list[GoldenCell]:
+    """The drifting cells the report draws: the first ``MAX_PLOTS`` in report order."""
+    return [g for g in cells if g.status == GOLDEN_DRIFT][:MAX_PLOTS]
+
+
+def as_json(cell: GoldenCell, curves: bool = True) -> dict[str, Any]:
+    """A cell for ``summary.json`` / ``details.json``: the curves only where they drifted (the
+    reviewed file has the rest), and only with ``curves``."""
     series = {}
     for s in cell.series:
         entry: dict[str, Any] = {"tolerance": s.tolerance, "max_rel_drift": s.max_rel_drift,
                                  "first_drift_step": s.first_drift_step}
-        if s.drifted:
+        if s.drifted and curves:
             entry.update(run=s.run, golden=s.golden)
         series[s.name] = entry
     return {"test": cell.case.test_id, "run": cell.case.run, "cell": cell.cell, "platform": cell.platform,

@@ -83,6 +83,7 @@ class Report:
     environment: list[tuple[str, list[str]]]  # (field, value per run)
     mutants: dict[str, Any] | None
     golden_mutants: dict[str, Any] | None = None  # the runner's --golden summary: the golden cells alone
+    details_file: str | None = None  # where the full failure and golden lists go (harness-signoff sets it)
 
     @property
     def gating_cases(self) -> list[TestCase]:
