@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import pathlib
+import tempfile
 import time
 from collections.abc import Generator
 from typing import IO, Any
@@ -225,6 +226,23 @@ class SidecarWriter:
         self.journal_path.unlink(missing_ok=True)
 
 
+def check_writable(option: str, path: pathlib.Path) -> None:
+    """Refuse a ``--junitxml`` path that cannot be written, before any test runs, in one line naming
+    it: otherwise the journal fails at session start with an INTERNALERROR traceback (and pytest's
+    own JUnit would fail only at the end, after every test ran). Probes with a real file, so a
+    read-only mount or directory counts even for root."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
+            pass
+        if path.exists():
+            with path.open("a"):  # append mode: an old result is not touched
+                pass
+    except OSError as exc:
+        raise pytest.UsageError(f"--junitxml={option}: cannot write {path} ({exc.strerror or exc}); "
+                                "give a path in a writable directory") from None
+
+
 def register(config: pytest.Config, mode: RunMode) -> None:
     """Register the annotator where tests run and the writer where JUnit is written."""
     if mode == RunMode.RANK:
@@ -233,4 +251,5 @@ def register(config: pytest.Config, mode: RunMode) -> None:
     xml = getattr(config.option, "xmlpath", None)
     if xml and not hasattr(config, "workerinput"):
         path = pathlib.Path(os.path.abspath(os.path.expanduser(os.path.expandvars(xml))))
+        check_writable(xml, path)
         config.pluginmanager.register(SidecarWriter(config, path), "fsdp_harness_sidecar")
