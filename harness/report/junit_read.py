@@ -54,6 +54,12 @@ _FAIL_WORDS = re.compile(
 )
 
 
+# pytest's junitxml leaves ``<testcase time="0.000"/>`` (no name, no result) for the test a
+# KeyboardInterrupt (Ctrl-C, or SIGTERM where the harness turns it into one) stopped: it is not a pass.
+NAMELESS_MESSAGE = ("a <testcase> without a name or a result: pytest writes one for the test that was running "
+                    "when the session was interrupted (Ctrl-C, SIGTERM); its result is unknown")
+
+
 class JunitError(ValueError):
     """A JUnit input that cannot be used (missing, unreadable, not JUnit XML)."""
 
@@ -368,6 +374,8 @@ def to_case(case: junitparser.TestCase, run: str) -> TestCase:
         time_s = float(case.time or 0.0)
     except ValueError:
         time_s = 0.0
+    if not case.name and not case.classname and outcome == PASSED:
+        outcome, message = ERROR, NAMELESS_MESSAGE
     return TestCase(run=run, classname=case.classname or "", name=case.name or "", outcome=outcome,
                     message=message, details=details, properties=properties, time_s=time_s,
                     file=getattr(case, "file", None))
