@@ -20,6 +20,7 @@ from harness import gpu_lease, node_ids, numerics
 from harness import procs as procs_mod
 from harness.bucket import Bucket, BucketSetup, TestOutcome
 from harness.combine import ReportBuilder, needs_restart, warn_state_changes
+from harness.sidecar import SIGNAL_NAME_ATTR
 from harness.spec import SPEC_KEY, DistSpec, resolve_startup_timeout, resolve_timeout
 
 
@@ -279,13 +280,19 @@ class Controller:
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+    """A plain KeyboardInterrupt (pytest ends the session on it and says so as for Ctrl-C), marked
+    with the signal's name for the record of the test it stopped."""
+    name = signal.Signals(signum).name
+    exc = KeyboardInterrupt(f"{name} received")
+    setattr(exc, SIGNAL_NAME_ATTR, name)
+    raise exc
 
 
 def _interrupt_on_sigterm() -> Any:
     """SIGTERM (CI cancellation, ``timeout``) ends the session like Ctrl-C: pytest reports what ran,
-    writes JUnit and the buckets are reaped. Only where nobody else handles SIGTERM; returns the
-    handler to restore, or None when nothing was changed."""
+    writes JUnit (the test it stopped as an error, ``sidecar.InterruptRecorder``) and the buckets
+    are reaped. Only where nobody else handles SIGTERM; returns the handler to restore, or None when
+    nothing was changed."""
     if threading.current_thread() is not threading.main_thread() \
             or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return None
