@@ -217,9 +217,9 @@ class GoldenResult:
     platform: str
     path: str
     status: str  # one of junit_format.GOLDEN_STATUSES
-    comparison: str = GOLDEN_EXACT  # GOLDEN_EXACT / GOLDEN_BAND
     series: dict[str, SeriesDrift] = field(default_factory=dict)
     golden_versions: dict[str, str] = field(default_factory=dict)  # what the golden file was made with
+    comparison: str = GOLDEN_EXACT  # GOLDEN_EXACT / GOLDEN_BAND
     fingerprint: dict[str, str] = field(default_factory=dict)  # this run's
     golden_fingerprint: dict[str, str] | None = None  # the file's (None: a format 1 file or no file)
     problem: str = ""  # why the comparison could not be made (a damaged file, no band)

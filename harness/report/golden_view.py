@@ -17,7 +17,10 @@ from typing import Any
 
 from harness.report.junit_format import (
     CHECKPOINT_COMPAT_PROPERTY,
+    GOLDEN_BAND,
+    GOLDEN_COMPARISONS,
     GOLDEN_DRIFT,
+    GOLDEN_EXACT,
     GOLDEN_MATCH,
     GOLDEN_MISSING,
     GOLDEN_PROPERTY,
@@ -63,10 +66,19 @@ class GoldenCell:
     series: tuple[SeriesView, ...] = ()
     golden_versions: dict[str, str] = dataclasses.field(default_factory=dict)
     detail: str = ""
+    comparison: str = GOLDEN_EXACT  # exact (same fingerprint) or band (the fingerprint differs)
+    fingerprint_diff: tuple[str, ...] = ()  # how the run's fingerprint differs from the file's
 
     @property
     def ok(self) -> bool:
         return self.status == GOLDEN_MATCH
+
+    @property
+    def compared(self) -> str:
+        """``exact``, or ``within band; fingerprint differs: torch 2.13.0+cpu (this run 2.14.1)``."""
+        if self.comparison != GOLDEN_BAND:
+            return "exact"
+        return "within band; fingerprint differs: " + ("; ".join(self.fingerprint_diff) or "?")
 
     @property
     def update_command(self) -> str:
@@ -140,11 +152,17 @@ def _cell(case: TestCase, raw: str) -> GoldenCell:
     if status not in GOLDEN_STATUSES:
         return _unreadable(case, f"unknown status {status!r} (the harness writes "
                            + ", ".join(GOLDEN_STATUSES) + ")", data)
+    comparison = data.get("comparison", GOLDEN_EXACT)  # absent in comparisons recorded before fingerprints
+    if comparison not in GOLDEN_COMPARISONS:
+        return _unreadable(case, f"unknown comparison {comparison!r} (the harness writes "
+                           + ", ".join(GOLDEN_COMPARISONS) + ")", data)
     try:
         series = tuple(_series(str(k), v) for k, v in data.get("series", {}).items())
         return GoldenCell(case, str(data["cell"]), str(data.get("platform", "?")), str(data.get("path", "")),
                           str(status), series,
-                          {str(k): str(v) for k, v in (data.get("golden_versions") or {}).items()})
+                          {str(k): str(v) for k, v in (data.get("golden_versions") or {}).items()},
+                          detail=str(data.get("problem") or ""), comparison=str(comparison),
+                          fingerprint_diff=tuple(str(d) for d in data.get("fingerprint_diff") or ()))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return _unreadable(case, f"{type(exc).__name__}: {exc}", data)
 
@@ -216,7 +234,10 @@ def golden_rule(cells: Sequence[GoldenCell]) -> Rule:
     if unknown:
         problems.append(f"{len(unknown)} have an unknown status: {_named(unknown)}")
     matched = sum(g.ok for g in cells)
-    evidence = "; ".join(problems) or (f"{matched} golden cell(s) match" if cells else "no golden cell ran")
+    banded = [g for g in cells if g.ok and g.comparison == GOLDEN_BAND]
+    note = (f" ({len(banded)} within their band, not bit for bit: the fingerprint differs, first "
+            f"`{banded[0].cell}`: {'; '.join(banded[0].fingerprint_diff)})" if banded else "")
+    evidence = "; ".join(problems) or (f"{matched} golden cell(s) match{note}" if cells else "no golden cell ran")
     return Rule("golden values", "every golden cell matches its reviewed per-platform file (a drift, a missing "
                 "file, an unreadable comparison or unknown status, or a --golden-update run is a FAIL)",
                 not problems, evidence)
@@ -235,7 +256,8 @@ def compat_rule(rows: Sequence[CompatRow]) -> Rule:
 
 
 def drift_text(s: SeriesView) -> str:
-    """``3.2e-07 @ step 1``, ``0`` (bit for bit), ``1e-09 (within 1e-08)`` or ``-`` (not comparable)."""
+    """``3.2e-07 @ step 1``, ``0`` (bit for bit), ``1e-09 (within 1e-08)`` or ``-`` (not comparable);
+    within a band, the band is the tolerance."""
     if s.golden is None or s.max_rel_drift is None:
         return "-"
     if s.drifted:
@@ -261,5 +283,5 @@ def as_json(cell: GoldenCell, curves: bool = True) -> dict[str, Any]:
             entry.update(run=s.run, golden=s.golden)
         series[s.name] = entry
     return {"test": cell.case.test_id, "run": cell.case.run, "cell": cell.cell, "platform": cell.platform,
-            "status": cell.status, "path": cell.path, "golden_versions": cell.golden_versions,
-            "detail": cell.detail, "series": series}
+            "status": cell.status, "comparison": cell.comparison, "fingerprint_diff": list(cell.fingerprint_diff),
+            "path": cell.path, "golden_versions": cell.golden_versions, "detail": cell.detail, "series": series}

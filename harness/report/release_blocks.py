@@ -22,7 +22,7 @@ from harness.report.document import (
     more_para,
 )
 from harness.report.golden_view import MAX_PLOTS, GoldenCell, drift_text, plotted
-from harness.report.junit_format import GOLDEN_DRIFT, GOLDEN_MISSING
+from harness.report.junit_format import GOLDEN_BAND, GOLDEN_DRIFT, GOLDEN_MISSING
 from harness.report.junit_read import one_line_cause
 from harness.report.sections import Report, gpu_only_here, numerics_survivors
 from harness.report.speed import SpeedRow
@@ -48,13 +48,13 @@ def _cell_table(cells: list[GoldenCell], names: list[str], detail: bool = False)
     rows = []
     for g in cells:
         by_name = {s.name: s for s in g.series}
-        row: list[object] = [Code(g.cell), g.platform, g.case.run, _status(g),
+        row: list[object] = [Code(g.cell), g.platform, g.case.run, _status(g), g.compared,
                              *(drift_text(by_name[n]) if n in by_name else "-" for n in names), _versions(g)]
         if detail:
             row.append(Md(g.detail or (f"no file `{g.path}`" if g.status == GOLDEN_MISSING else
                                        "plot below" if g.status == GOLDEN_DRIFT else "")))
         rows.append(row)
-    headers = ["cell", "platform", "run", "status", *(f"{n}: max drift @ first step" for n in names),
+    headers = ["cell", "platform", "run", "status", "compared", *(f"{n}: max drift @ first step" for n in names),
                "golden made with", *(["detail"] if detail else [])]
     return Table(headers, rows)
 
@@ -85,7 +85,17 @@ def golden_blocks(rep: Report) -> list[Block]:
     out.append(Para(f"{len(cells)} golden cell(s) on {platforms}: "
                     + ", ".join(f"{n} {s}" for s, n in counts.items())
                     + ". Each is a short fixed-seed run compared step by step with its reviewed file; drift is "
-                      "relative (|run - golden| / |golden|); a tolerance of 0 means bit for bit."))
+                      "relative (|run - golden| / |golden|); a tolerance of 0 means bit for bit. Where the run's "
+                      "fingerprint (what decides its bits: torch, BLAS, CPU kernels, threads; GPU stack) equals "
+                      "the file's, the comparison is exact; where it differs, within the band measured for the "
+                      "cell (column *compared*)."))
+    banded = [g for g in cells if g.comparison == GOLDEN_BAND]
+    if banded:
+        out.append(Para(f"**Note: {len(banded)} of {len(cells)} cell(s) were compared within their band, not bit "
+                        f"for bit**, because this run's fingerprint differs from their file's (first "
+                        f"`{banded[0].cell}`: {'; '.join(banded[0].fingerprint_diff) or '?'}). A band catches a "
+                        "real change (a learning rate off by 1e-3) but not a last-bit one: compare on the "
+                        "fingerprint that made the files for that."))
     names = _series_names(cells)
     problems = [g for g in cells if not g.ok]
     if problems:
@@ -103,8 +113,9 @@ def golden_blocks(rep: Report) -> list[Block]:
     drawn = plotted(problems)
     for g in drawn:
         out.append(Heading(3, f"Drift: {g.cell} ({g.platform}, run {g.case.run})"))
-        out.append(Para(f"`{g.case.test_id}` against `{g.path}`. The golden curve is grey, the run's red; "
-                        "the last panel is the relative drift per step (log scale), the dashed line the tolerance."))
+        out.append(Para(f"`{g.case.test_id}` against `{g.path}` ({g.compared}). The golden curve is grey, the "
+                        "run's red; the last panel is the relative drift per step (log scale), the dashed line the "
+                        "tolerance (the band, when compared within it)."))
         out.append(Chart("golden_plot", fallback=[_drift_detail(g)], data=g))
     drifting = sum(g.status == GOLDEN_DRIFT for g in problems)
     if drifting > len(drawn):
