@@ -145,10 +145,7 @@ class FSDPEngine:
             self._recompute_pre_forward(unit)
             return
         if unit.state != TrainingState.FORWARD:
-            raise RuntimeError(
-                f"{type(module).__name__} holds params of FSDP unit {unit.name!r} but ran outside that unit's "
-                "forward, where its params are sharded DTensors; call it from the unit's forward, or make it "
-                "a unit of its own (add its class to fsdp_unit_modules)")
+            raise unit.outside_forward_error(module)
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and not unit.is_unsharded:
             with traced_phase("pre_forward", unit):
                 unit.unshard()

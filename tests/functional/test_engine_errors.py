@@ -171,3 +171,53 @@ def test_mixed_dtype_unit_rejected(dist_env) -> None:
     module.head.half()
     with pytest.raises(ValueError, match=r"FSDP unit '<root>' mixes parameter dtypes"):
         fully_shard_model(module)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(8, 8)
+        self.lin2 = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin2(self.lin1(x)))
+
+
+class _Net(nn.Module):
+    """Two ``_Block`` units (each two Linear submodules) and a root Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(_Block(), _Block())
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(x))
+
+
+@pytest.mark.parametrize("fine_grained", [False, True], ids=["per_unit_gather", "fine_grained"])
+@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.matrix(zero=matrix.param("zero", axes.zero))
+def test_unit_submodule_called_outside_its_unit(zero, fine_grained, dist_env) -> None:
+    """A module holding a unit's params, called on its own (its params are the sharded DTensors
+    then), gets an error naming it, its unit and what to do, with or without fine-grained gather
+    (without, torch's ``aten.addmm.default got mixed torch.Tensor and DTensor`` came through);
+    the refused calls change nothing."""
+    torch.manual_seed(0)
+    model = fully_shard_model(_Net(), fsdp_unit_modules=[_Block], zero_dp_strategy=zero,
+                              enable_fine_grained_param_gather=fine_grained)
+    x = torch.randn(3, 8)
+    before = model(x).detach().clone()
+    with pytest.raises(RuntimeError, match=r"^Linear holds params of FSDP unit 'blocks\.1' but ran outside that unit's "
+                                           r"forward: module 'blocks\.1\.lin2' was called while its params are sharded "
+                                           r"DTensors; call it from the unit's forward \(run 'blocks\.1' itself\), or "
+                                           r"make it a unit of its own \(add its class to fsdp_unit_modules"):
+        model.module.blocks[1].lin2(x)
+    with pytest.raises(RuntimeError, match=r"^Linear holds params of FSDP unit '<root>' but ran outside that unit's "
+                                           r"forward: module 'out' .*call it from the forward of the model "
+                                           r"fully_shard returned"):
+        model.module.out(x)
+    assert torch.equal(model(x), before), "a refused call must leave the model as it was"
+    model(x).sum().backward()  # and it still trains
+    assert all(p.grad is not None for p in model.parameters())
+
