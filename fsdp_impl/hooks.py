@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .engine import FSDPEngine
+from .engine import FSDPEngine, outside_forward_error
 from .param import ManagedParam
 from .unit import FSDPUnit
 
@@ -71,7 +71,7 @@ class _ShardedGuard(_UnitHook):
     @torch.compiler.disable
     def __call__(self, module: nn.Module, args: Any) -> None:
         engine, unit = self.target()
-        raise unit.outside_forward_error(module)
+        raise outside_forward_error(unit, module)
 
 
 class _GradReady(_UnitHook):

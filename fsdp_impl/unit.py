@@ -177,9 +177,8 @@ class FSDPUnit:
         # (module param dict, name, tensor) per param location for swap_in / swap_out, built at
         # the first swap after sharding: a swap is then one dict store per location
         self._swaps: tuple[list[_Swap], list[_Swap]] | None = None
-        # Pre-forward hooks that refuse a call of a module holding this unit's params while they
-        # are the sharded DTensors (hooks.py); present exactly while swapped out, so a forward,
-        # which swaps in first, runs those modules without any hook
+        # hooks refusing a call of a module holding this unit's params while they are sharded
+        # (hooks.py): present exactly while swapped out, so a forward runs them hook-free
         self.guards: list[_Guard] = []
         self._solo_gather = comm.solo(ctx.gather_group or ctx.group)  # one rank: no gather (_start_gather)
         self.fp8: UnitFp8 | None = None  # FP8 params: gathered as FP8 bytes (fp8_params.py)
@@ -409,8 +408,7 @@ class FSDPUnit:
             self.fp8.release(after_backward=self.state == TrainingState.POST_BACKWARD)
 
     def swap_in(self) -> None:
-        """Register the compute params on their modules (for the unit's forward / backward) and
-        lift the guards (their modules may run now)."""
+        """Register the compute params on their modules (unit forward / backward), lift the guards."""
         for params, name, tensor in self._swap_lists()[0]:
             params[name] = tensor
         for hooks, key, _ in self.guards:
@@ -453,21 +451,6 @@ class FSDPUnit:
             params[name] = tensor
         for hooks, key, hook in self.guards:
             hooks[key] = hook
-
-    def outside_forward_error(self, module: nn.Module) -> RuntimeError:
-        """The error for ``module`` (holding this unit's params) called while they are sharded:
-        it names the module, the unit and what to do (torch's own error names an aten op)."""
-        where = next((p.fqn.rpartition(".")[0] for p in self.params if p.locations[0][0] is module), None)
-        named = f"module {where or '<root>'!r}" if where is not None else "it"
-        if self.name.startswith("<root>"):
-            how = ("call it from the forward of the model fully_shard returned (which gathers the root's params), "
-                   "or make it a unit of its own (add its class to fsdp_unit_modules)")
-        else:
-            how = (f"call it from the unit's forward (run {self.name!r} itself), or make it a unit of its own "
-                   f"(add its class to fsdp_unit_modules; units are the outermost matches, so in place of the "
-                   f"class of {self.name!r})")
-        return RuntimeError(f"{type(module).__name__} holds params of FSDP unit {self.name!r} but ran outside that "
-                            f"unit's forward: {named} was called while its params are sharded DTensors; {how}")
 
     # --------------------------------------------------------------------- grads
     def accept_grad(self, p: ManagedParam) -> bool:
