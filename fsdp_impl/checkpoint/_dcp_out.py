@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import _comm, _files
+from . import _comm, _files, _once
 from ._errors import CheckpointError, CheckpointWriteError
 from ._names import own_name, own_state, wrapper_prefix
 from ._state import OptimizerSnapshot
@@ -45,6 +42,7 @@ from ._state import OptimizerSnapshot
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
 LAYOUT = "torch_dcp"
+WHAT = "torch_dcp checkpoint"
 
 
 def state_for_fsdp2(model: nn.Module, snapshot: OptimizerSnapshot) -> dict[str, Any]:
@@ -58,42 +56,13 @@ def state_for_fsdp2(model: nn.Module, snapshot: OptimizerSnapshot) -> dict[str, 
     return {MODEL_KEY: model_sd, OPTIM_KEY: {"state": state, "param_groups": param_groups}}
 
 
-def _check_target(path: Path) -> None:
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise CheckpointWriteError(
-            f"checkpoint path {path} exists and is not an empty directory: a torch_dcp checkpoint is written "
-            "once (DCP readers take the files in place, so it cannot be replaced atomically); save each one "
-            "to a new directory (e.g. step-<n>) or remove the old one first")
-
-
-def _prepare(path: Path) -> Path:
-    """Rank 0: check the target, remove leftovers of our own interrupted saves, make the temp dir."""
-    _check_target(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    own = re.compile(re.escape(path.name) + r"\.tmp-[0-9a-f]{12}")
-    for entry in sorted(path.parent.iterdir()):
-        if own.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-    tmp = path.parent / f"{path.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    return tmp
-
-
 def save_torch_dcp(path: Path, model: nn.Module, snapshot: OptimizerSnapshot, extra: dict | None) -> None:
     """Collective: write ``path`` in FSDP2's layout (module docstring)."""
-    tmp, error = None, None
-    if _comm.rank() == 0:
-        try:
-            tmp = _prepare(path)
-        except (OSError, CheckpointError) as e:
-            error = e
-    _comm.raise_if_any_failed(error, f"preparing checkpoint directory {path}", CheckpointWriteError)
-    tmp = Path(_comm.broadcast_from_rank0(None if tmp is None else str(tmp)))
+    tmp = _once.prepare(path, WHAT)
     try:
         _write(tmp, path, state_for_fsdp2(model, snapshot), snapshot, extra)
     except BaseException:
-        if _comm.rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        _once.discard(tmp)
         raise
 
 
@@ -130,12 +99,7 @@ def _write(tmp: Path, path: Path, state: dict, snapshot: OptimizerSnapshot, extr
                                            version=_files.TORCH_DCP_VERSION)
             manifest["layout"] = LAYOUT
             _files.write_file_durably(tmp / _files.MANIFEST_NAME, json.dumps(manifest, indent=1).encode())
-            _files.fsync_dir(tmp)
-            _check_target(path)
-            if path.exists():
-                path.rmdir()  # empty (checked): rename cannot replace it on every platform
-            tmp.rename(path)
-            _files.fsync_dir(path.parent)
+            _once.publish(tmp, path, WHAT)
         except (OSError, CheckpointError) as e:
             error = e
     _comm.raise_if_any_failed(error, f"publishing checkpoint {path}", CheckpointWriteError)

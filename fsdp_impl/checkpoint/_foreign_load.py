@@ -19,7 +19,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import _comm
@@ -42,8 +41,9 @@ def read(reader_path: Path, state: dict[str, Any], source: str) -> dict[str, Any
     if not state:
         return state
     try:
-        dcp.load(state, storage_reader=FileSystemReader(reader_path),
-                 planner=DefaultLoadPlanner(flatten_state_dict=False), no_dist=not _comm.is_distributed())
+        # keys are already flat: DCP's flattening maps each to itself (and writes non-tensor
+        # values back into this dict; its flatten_state_dict=False path would not)
+        dcp.load(state, storage_reader=FileSystemReader(reader_path), no_dist=not _comm.is_distributed())
     except CheckpointException as e:
         raise CheckpointCorruptedError(f"reading checkpoint {source} failed: {e}") from e
     return state
