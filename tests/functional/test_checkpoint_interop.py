@@ -31,7 +31,9 @@ from fsdp_impl import checkpoint
 from tests.functional import matrix_axes as axes
 from tests.functional.common.checkpoint_interop import (
     K_SAVE,
+    LR,
     N_AFTER,
+    RESUME_LR,
     Ours,
     full_state,
     ours,
@@ -73,6 +75,7 @@ def fsdp2_continuation(path: Path, layout: str) -> tuple[list[float], dict[str, 
     """FSDP2 resumed at this world size from ``path``, 10 steps (cached per checkpoint)."""
     if str(path) not in _FSDP2_RUNS:
         model, optimizer = resume_fsdp2(path, layout)
+        assert [g["lr"] for g in optimizer.param_groups] == [LR, LR / 2], "FSDP2 restored other learning rates"
         assert_same_state(full_state(model, optimizer), _saved_state(path), None, "FSDP2 right after its load")
         losses = train(model, optimizer, range(K_SAVE, K_SAVE + N_AFTER))
         _FSDP2_RUNS[str(path)] = (losses, full_state(model, optimizer))
@@ -81,7 +84,7 @@ def fsdp2_continuation(path: Path, layout: str) -> tuple[list[float], dict[str, 
 
 def our_continuation(path: Path, config: Ours, expected_extra: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Ours (fresh init, an evaluation forward first) loads ``path`` and trains 10 steps."""
-    model, optimizer = ours(seed=1234, config=config)
+    model, optimizer = ours(seed=1234, config=config, lr=RESUME_LR)
     train_probe = torch.randint(0, 13, (2, 6))
     with torch.no_grad():
         model(train_probe)  # compute weights now hold the random init: the load must refresh them
@@ -90,6 +93,7 @@ def our_continuation(path: Path, config: Ours, expected_extra: Any) -> tuple[lis
     after_load = full_state(model, optimizer)
     assert_same_state(after_load, _saved_state(path), None, "ours right after the load")
     assert {float(v) for k, v in after_load.items() if k.endswith(":step")} == {float(K_SAVE)}
+    assert [g["lr"] for g in optimizer.param_groups] == [LR, LR / 2], "the checkpoint's learning rates"
     return train(model, optimizer, range(K_SAVE, K_SAVE + N_AFTER)), full_state(model, optimizer)
 
 

@@ -48,6 +48,7 @@ K_SAVE = 3  # steps before the save: Adam's step count in the checkpoint is 3
 N_AFTER = 10  # steps every continuation trains
 GLOBAL_BATCH = 8
 LR, DECAY = 1e-2, 0.1
+RESUME_LR = 0.5  # resumed runs are built with it: the checkpoint's lr must replace it
 TITAN = StateDictOptions(flatten_optimizer_state_dict=True)
 FSDP2_LAYOUTS = ("fsdp2_torch", "fsdp2_titan")
 
@@ -63,12 +64,13 @@ class Ours:
         return f"zero{self.zero}" + (f"-hsdp_{self.outer}" if self.outer else "")
 
 
-def adamw(named: list[tuple[str, nn.Parameter]]) -> torch.optim.AdamW:
-    """Matrices decay at ``LR``; vectors do not, at ``LR / 2`` (the groups must survive a load)."""
+def adamw(named: list[tuple[str, nn.Parameter]], lr: float = LR) -> torch.optim.AdamW:
+    """Matrices decay at ``lr``; vectors do not, at ``lr / 2`` (the groups must survive a load).
+    A resumed run is built with another ``lr``: the checkpoint's hyperparameters must replace it."""
     decay = [p for n, p in named if p.dim() >= 2]
     rest = [p for n, p in named if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": DECAY},
-                              {"params": rest, "weight_decay": 0.0, "lr": LR / 2}], lr=LR)
+                              {"params": rest, "weight_decay": 0.0, "lr": lr / 2}], lr=lr)
 
 
 @functools.cache
@@ -77,7 +79,7 @@ def _fsdp2_mesh(outer: int, shard: int) -> Any:
     return mesh["dp_outer", "dp_shard"] if outer > 1 else mesh["dp_shard"]
 
 
-def fsdp2(seed: int, outer: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
+def fsdp2(seed: int, outer: int = 1, lr: float = LR) -> tuple[nn.Module, torch.optim.Optimizer]:
     """SmallGPT under FSDP2: ``fully_shard`` per block and on the root (HSDP over ``outer`` replicas)."""
     from torch.distributed.fsdp import fully_shard
 
@@ -86,16 +88,16 @@ def fsdp2(seed: int, outer: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
     for block in module.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(module, mesh=mesh)
-    return module, adamw(list(module.named_parameters()))
+    return module, adamw(list(module.named_parameters()), lr)
 
 
-def ours(seed: int, config: Ours) -> tuple[nn.Module, torch.optim.Optimizer]:
+def ours(seed: int, config: Ours, lr: float = LR) -> tuple[nn.Module, torch.optim.Optimizer]:
     module = build_model("gpt", seed=seed)
     kwargs: dict[str, Any] = dict(fsdp_unit_modules=[GPTBlock], zero_dp_strategy=config.zero)
     if config.outer is not None:
         world = dist.get_world_size()
         kwargs.update(seed_kwargs(seed_mesh((2, world // 2, 1, 1), "cpu"), config.outer))
-    return fsdp_impl.fully_shard(module, adamw(list(module.named_parameters())), **kwargs)
+    return fsdp_impl.fully_shard(module, adamw(list(module.named_parameters()), lr), **kwargs)
 
 
 def train(model: nn.Module, optimizer: Any, steps: range) -> list[float]:
@@ -147,7 +149,7 @@ def save_fsdp2(model: nn.Module, optimizer: Any, path: Path, layout: str) -> Non
 
 def resume_fsdp2(path: Path, layout: str, outer: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
     """A fresh FSDP2 run (other init) resumed from ``path`` the way FSDP2 users resume."""
-    model, optimizer = fsdp2(seed=99, outer=outer)
+    model, optimizer = fsdp2(seed=99, outer=outer, lr=RESUME_LR)
     if layout == "fsdp2_titan":
         model_sd = get_model_state_dict(model)
         state: dict[str, Any] = dict(model_sd)
