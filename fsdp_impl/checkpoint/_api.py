@@ -22,6 +22,7 @@ from ._state import (
     MODEL_KEY,
     OPTIM_KEY,
     OptimizerSnapshot,
+    check_optimizer_class,
     check_optimizer_matches,
     empty_optimizer_state,
     install_optimizer_state,
@@ -178,8 +179,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: Any, *, model_key
     torch_optimizer = None if optimizer is None else unwrap_optimizer(optimizer)
     manifest, data, metadata, side = _open(path)
     if manifest["version"] == _files.TORCH_DCP_VERSION:
-        if torch_optimizer is not None:
-            check_optimizer_matches(manifest["optimizer"], model, torch_optimizer)
+        if torch_optimizer is not None:  # the groups are matched by name below, wrapped or not
+            check_optimizer_class(manifest["optimizer"]["class"], torch_optimizer)
         load_foreign(data, str(path), model, optimizer, model_key="model", optim_key="optim")
         return side["extra"]
 

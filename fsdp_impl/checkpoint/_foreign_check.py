@@ -169,9 +169,12 @@ def saved_hyperparameters(layout: DcpLayout, loaded: Mapping[str, Any], groups: 
         matches = [i for i, group in sorted(saved.items()) if _same_members(group.get("params"), want)]
         if not matches:
             listed = [f"group {i}: {len(group.get('params') or [])} parameters" for i, group in sorted(saved.items())]
+            hint = ("; the checkpoint keys optimizer state by position, so build the optimizer's param groups "
+                    "as its run had them (Megatron-FSDP's fully_shard makes one group over model.parameters())"
+                    if optim.by_position else "")
             raise CheckpointMismatchError(
                 f"{what}: no saved group holds exactly this optimizer's group {g} ({len(names)} parameters, "
-                f"first {names[0] if names else '-'})\n" + _format("saved groups", listed))
+                f"first {names[0] if names else '-'}){hint}\n" + _format("saved groups", listed))
         out.append({k: v for k, v in saved[matches[0]].items() if k not in ("params", "param_names")})
     return out
 

@@ -136,16 +136,16 @@ def load_foreign(data: Path, source: str, model: nn.Module, optimizer: Any, *, m
         if layout.optim is None:
             raise CheckpointMismatchError(f"checkpoint {source} ({layout.writer}) holds no optimizer state; "
                                           "pass optimizer=None to load only the model")
-        class_name = optimizer_class_name(torch_optimizer)
-        expected = _expected_state(model, torch_optimizer, to_canonical)
-        plan = match_optimizer_state(layout, entries, expected, positions, class_name, source)
         small.update(group_entries(layout, entries))
     read(data, small, source)  # param groups and other entries: small, read before deciding
     if torch_optimizer is not None:
-        hyper = saved_hyperparameters(layout, small, groups, positions, source)
+        class_name = optimizer_class_name(torch_optimizer)
+        hyper = saved_hyperparameters(layout, small, groups, positions, source)  # group structure first
+        plan = match_optimizer_state(layout, entries, _expected_state(model, torch_optimizer, to_canonical),
+                                     positions, class_name, source)
         current = [{k: v for k, v in g.items() if k not in ("params", "param_names")}
                    for g in torch_optimizer.param_groups]
-        check_hyperparameter_kinds(hyper, current, optimizer_class_name(torch_optimizer), source)
+        check_hyperparameter_kinds(hyper, current, class_name, source)
         hyper = [{**now, **old} for now, old in zip(current, hyper, strict=True)]
 
     # Phase 2: every tensor into fresh buffers (the model is untouched if a read fails).

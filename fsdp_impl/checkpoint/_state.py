@@ -146,7 +146,7 @@ def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
     return user_optimizer_class(optimizer).__name__
 
 
-def _check_optimizer_class(saved: str, optimizer: torch.optim.Optimizer) -> None:
+def check_optimizer_class(saved: str, optimizer: torch.optim.Optimizer) -> None:
     """Another optimizer's state (Adam's moments into SGD) would load and then fail or
     silently misbehave in ``step()``; refuse it here."""
     current = optimizer_class_name(optimizer)
@@ -161,7 +161,7 @@ def check_optimizer_matches(saved: Mapping[str, Any], model: nn.Module, optimize
                             limit: int = 5) -> None:
     """Raise ``CheckpointMismatchError`` if the optimizer class differs or the param groups
     differ in count or parameter names."""
-    _check_optimizer_class(saved["class"], optimizer)
+    check_optimizer_class(saved["class"], optimizer)
     current = group_param_names(model, optimizer)
     saved_groups: list[list[str]] = saved["param_groups"]
     if len(saved_groups) != len(current):

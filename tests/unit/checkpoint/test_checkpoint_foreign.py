@@ -45,9 +45,12 @@ def _save_fsdp2(t: Trainer, path: Path) -> None:
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), no_dist=True)
 
 
-def _save_torchtitan(t: Trainer, path: Path) -> None:
+def _save_torchtitan(t: Trainer, path: Path, model_key: str | None = None) -> None:
+    """torchtitan's layout: model keys at the top level (releases before its flattening of the
+    model states: under ``model``), ``optimizer`` flattened, its other states beside them."""
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
-    state: dict[str, Any] = dict(get_model_state_dict(t.model))
+    model_sd = get_model_state_dict(t.model)
+    state: dict[str, Any] = dict(model_sd) if model_key is None else {model_key: model_sd}
     state["optimizer"] = get_optimizer_state_dict(t.model, t.optimizer, options=flat)
     state["lr_scheduler"] = {"last_epoch": STEPS}
     state["train_state"] = {"step": STEPS, "ntokens_seen": 96}
@@ -75,7 +78,8 @@ def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
 
 
 WRITERS: dict[str, Callable[[Trainer, Path], None]] = {
-    "fsdp2": _save_fsdp2, "torchtitan": _save_torchtitan, "megatron_fsdp": _save_megatron_fsdp}
+    "fsdp2": _save_fsdp2, "torchtitan": _save_torchtitan, "megatron_fsdp": _save_megatron_fsdp,
+    "torchtitan_model_key": lambda t, path: _save_torchtitan(t, path, model_key="model")}
 
 
 @pytest.mark.parametrize("writer", sorted(WRITERS))
@@ -88,7 +92,7 @@ def test_foreign_checkpoint_loads_exactly_and_trains_on(writer: str, tmp_path: P
     _assert_equal(_state(t), _state(source))
     assert t.optimizer.param_groups[0]["lr"] == source.optimizer.param_groups[0]["lr"]
     assert float(t.optimizer.state[t.model.fc1.weight]["step"]) == STEPS
-    if writer == "torchtitan":
+    if writer.startswith("torchtitan"):
         assert others == {"lr_scheduler": {"last_epoch": STEPS}, "train_state": {"step": STEPS, "ntokens_seen": 96},
                           "dataloader": {"version": 1, "dp_world_size": 1, "dp_rank_0": b"sampler-state"}}
     else:
@@ -116,6 +120,15 @@ def test_torch_dcp_save_is_loaded_by_fsdp2_set_state_dict(tmp_path: Path) -> Non
     _assert_equal(_state(ours), _state(source))
     for i in range(STEPS, STEPS + 2):
         assert theirs.step(i) == source.step(i) == ours.step(i)
+
+
+def test_torch_dcp_checkpoint_refuses_another_optimizer_class(tmp_path: Path) -> None:
+    source = _trained()
+    checkpoint.save(tmp_path / "ck", source.model, source.optimizer, format="torch_dcp")
+    t = make_trainer(seed=5)
+    sgd = torch.optim.SGD(t.model.parameters(), lr=0.1)
+    with pytest.raises(CheckpointMismatchError, match="saved with optimizer AdamW but is being loaded into SGD"):
+        checkpoint.load(tmp_path / "ck", t.model, sgd)
 
 
 def test_torch_dcp_save_is_written_once(tmp_path: Path) -> None:
@@ -205,3 +218,18 @@ def test_ambiguous_model_prefix_names_the_candidates(tmp_path: Path) -> None:
     others = checkpoint.load(tmp_path / "ck", t.model, t.optimizer, model_key="model")
     assert torch.equal(t.model.fc1.weight, source.model.fc1.weight)
     assert torch.equal(others["ema"]["fc1.weight"], ema["fc1.weight"])
+
+
+def test_position_keyed_checkpoint_needs_the_same_param_groups(tmp_path: Path) -> None:
+    """Megatron-FSDP keys optimizer state by position: an optimizer with other groups is refused
+    (naming the groups) instead of pairing one parameter's moments with another parameter."""
+    _save_megatron_fsdp(_trained(), tmp_path / "ck")
+    torch.manual_seed(4)
+    model = TinyNet()
+    split = torch.optim.AdamW([{"params": [model.fc1.weight, model.fc2.weight]},
+                               {"params": [model.fc1.bias, model.fc2.bias]}], lr=0.02, weight_decay=0.1)
+    with pytest.raises(CheckpointMismatchError, match=r"no saved group holds exactly this optimizer's group 0 \(2 "
+                                                      r"parameters, first fc1.weight\); the checkpoint keys optimizer "
+                                                      r"state by position"):
+        checkpoint.load(tmp_path / "ck", model, split)
+    assert len(split.state) == 0
