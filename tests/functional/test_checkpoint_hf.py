@@ -17,6 +17,7 @@ Skips, naming the module, when ``transformers`` or ``safetensors`` is missing (e
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -79,13 +80,29 @@ def _full_params(model: Any) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in model.module.named_parameters()}
 
 
-def _restore_rotary(model: Any, config: Any) -> None:
-    """A meta-built model's non-persistent buffers (rotary ``inv_freq``) are in no checkpoint:
-    compute them as the module's constructor does (its ``reset_parameters`` does not exist)."""
-    rotary = model.module.model.rotary_emb
-    fresh = type(rotary)(config=config)
+def _meta_initialisable(model: torch.nn.Module, config: Any) -> None:
+    """Our meta init calls ``reset_parameters()`` on every module that owns tensors; transformers'
+    modules initialise through ``_init_weights`` instead, and its RMSNorms, MoE experts and rotary
+    embedding have none. Give them one, as a user of meta init would: the rotary embedding's
+    non-persistent buffers (``inv_freq``, in no checkpoint) computed as its constructor does, every
+    other tensor zeroed (the files provide all of them)."""
+    for module in model.modules():
+        owns = next(module.parameters(recurse=False), None) is not None or next(module.buffers(recurse=False), None)
+        if owns is None or hasattr(module, "reset_parameters") or hasattr(module, "_reset_parameters"):
+            continue
+        module.reset_parameters = functools.partial(  # type: ignore[method-assign]
+            _rotary_reset if "RotaryEmbedding" in type(module).__name__ else _zero_reset, module, config)
+
+
+def _rotary_reset(module: torch.nn.Module, config: Any) -> None:
+    fresh = type(module)(config=config)
     for name, buffer in fresh.named_buffers():
-        setattr(rotary, name, buffer)
+        getattr(module, name).copy_(buffer)
+
+
+def _zero_reset(module: torch.nn.Module, config: Any) -> None:
+    for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+        tensor.zero_()
 
 
 MODELS = [pytest.param("qwen3_tied", marks=pytest.mark.matrix(model="qwen3_tied"), id="qwen3_tied"),
@@ -120,8 +137,8 @@ def test_hf_export_matches_from_pretrained_and_imports_exactly(name: str, dist_e
 
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    _meta_initialisable(skeleton, config)
     imported, _ = _wrap(skeleton, meta=True)
-    _restore_rotary(imported, config)
     checkpoint.load_hf(path, imported)
     loaded = _full_params(imported)
     assert loaded.keys() == trained.keys()

@@ -4,8 +4,9 @@ The checkpoints come from another world size: 4 gloo processes that rank 0 of th
 bucket spawns once (``checkpoint_interop.produce_on``), training ``K_SAVE`` = 3 steps of SmallGPT
 with a two-group AdamW before saving (so the checkpoint holds AdamW moments and step count 3).
 
-* FSDP2 in: FSDP2 (world 4) saves; ours at world 2 loads it (ZeRO-3, ZeRO-1, HSDP) and trains 10
-  steps; the reference is FSDP2 itself resumed at world 2 from the same checkpoint.
+* FSDP2 in: FSDP2 (world 4) saves; ours at world 2 loads it (ZeRO-0 to 3, HSDP and HFSDP over 2
+  replicas) and trains 10 steps; the reference is FSDP2 itself resumed at world 2 from the same
+  checkpoint.
 * FSDP2 out: ours (world 4, ZeRO-3 or HSDP 2x2) saves with ``format="torch_dcp"``; FSDP2 at world
   2 resumes it with ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` and trains 10 steps;
   the reference is ours resumed at world 2 from the same checkpoint.
@@ -112,6 +113,10 @@ IN = [pytest.param("fsdp2_torch", Ours(3), marks=[_in_axes(Ours(3))], id="fsdp2_
       pytest.param("fsdp2_torch", Ours(1), marks=[_in_axes(Ours(1)), SLOW], id="fsdp2_torch-zero1"),
       pytest.param("fsdp2_torch", Ours(3, "no_shard"), marks=[_in_axes(Ours(3, "no_shard")), SLOW],
                    id="fsdp2_torch-zero3-hsdp_no_shard"),
+      pytest.param("fsdp2_torch", Ours(0), marks=[_in_axes(Ours(0)), SLOW], id="fsdp2_torch-zero0"),
+      pytest.param("fsdp2_torch", Ours(2), marks=[_in_axes(Ours(2)), SLOW], id="fsdp2_torch-zero2"),
+      pytest.param("fsdp2_torch", Ours(3, "optim"), marks=[_in_axes(Ours(3, "optim")), SLOW],
+                   id="fsdp2_torch-zero3-hsdp_optim"),
       pytest.param("fsdp2_titan", Ours(3), marks=[_in_axes(Ours(3)), SLOW], id="fsdp2_titan-zero3"),
       pytest.param("fsdp2_titan", Ours(1), marks=[_in_axes(Ours(1)), SLOW], id="fsdp2_titan-zero1")]
 
