@@ -68,7 +68,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: Any, extra: dict 
         raise TypeError(f"extra must be a dict or None; got {type(extra).__name__}")
     torch_optimizer = unwrap_optimizer(optimizer)
     model_sd, _ = model_state(model)
-    snapshot = snapshot_optimizer(model, torch_optimizer)
+    snapshot = snapshot_optimizer(model, torch_optimizer, placeholders=format == "torch_dcp")
     if format == "torch_dcp":
         save_torch_dcp(path, model, snapshot, extra)
         return

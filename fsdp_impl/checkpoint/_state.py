@@ -115,11 +115,18 @@ class OptimizerSnapshot:
     hyperparameters: list[dict[str, Any]]  # param_groups without "params"/"param_names"
 
 
-def snapshot_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerSnapshot:
-    """Re-key the optimizer's state and param groups by parameter name."""
+def snapshot_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
+                       placeholders: bool = False) -> OptimizerSnapshot:
+    """Re-key the optimizer's state and param groups by parameter name. ``placeholders``: list
+    the state a first step would create for params without state (``dcp_optim_state``), as
+    FSDP2's ``get_state_dict`` does, so FSDP2 finds every entry it expects."""
     names = group_param_names(model, optimizer)
     params = parameters_by_name(model)
     sd = optimizer.state_dict()
+    if placeholders:
+        from ..dcp_optim_state import PlaceholderStateHook  # lazily: it imports this module
+
+        sd = PlaceholderStateHook()(optimizer, sd)
     to_name = _index_to_name(names, sd)
     state: dict[str, dict[str, Any]] = {}
     kinds: dict[str, dict[str, str]] = {}

@@ -122,6 +122,21 @@ def test_torch_dcp_save_is_loaded_by_fsdp2_set_state_dict(tmp_path: Path) -> Non
         assert theirs.step(i) == source.step(i) == ours.step(i)
 
 
+def test_torch_dcp_of_a_never_stepped_optimizer_resumes_in_fsdp2(tmp_path: Path) -> None:
+    """FSDP2's ``get_state_dict`` creates optimizer state before loading, so ``dcp.load`` wants
+    every entry: a save before the first step writes the state a first step would create."""
+    source = make_trainer(seed=0)
+    checkpoint.save(tmp_path / "ck", source.model, source.optimizer, format="torch_dcp")
+    theirs = make_trainer(seed=5)
+    model_sd, optim_sd = get_state_dict(theirs.model, theirs.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    set_state_dict(theirs.model, theirs.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert float(theirs.optimizer.state[theirs.model.fc1.weight]["step"]) == 0
+    for i in range(2):
+        assert theirs.step(i) == source.step(i)
+
+
 def test_torch_dcp_checkpoint_refuses_another_optimizer_class(tmp_path: Path) -> None:
     source = _trained()
     checkpoint.save(tmp_path / "ck", source.model, source.optimizer, format="torch_dcp")
