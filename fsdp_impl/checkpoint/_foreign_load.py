@@ -21,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..dcp_optim_state import PlaceholderStateHook
 from . import _comm
 from ._dcp_layout import DcpLayout, describe
 from ._errors import CheckpointCorruptedError, CheckpointMismatchError
@@ -73,8 +74,6 @@ def _expected_state(model: nn.Module, optimizer: torch.optim.Optimizer, to_canon
                     ) -> dict[str, dict[str, Any]]:
     """Own name -> the state entries this optimizer keeps for it (live, or the placeholders a
     first step would create: ``dcp_optim_state``), in parameter order."""
-    from ..dcp_optim_state import PlaceholderStateHook  # lazily: it imports this package
-
     sd = PlaceholderStateHook()(optimizer, optimizer.state_dict())
     by_position: dict[int, str] = {}
     for names, group in zip(group_param_names(model, optimizer), sd["param_groups"], strict=True):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..dcp_optim_state import PlaceholderStateHook, user_optimizer_class
 from ._errors import CheckpointMismatchError
 
 MODEL_KEY = "model"
@@ -124,8 +125,6 @@ def snapshot_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     params = parameters_by_name(model)
     sd = optimizer.state_dict()
     if placeholders:
-        from ..dcp_optim_state import PlaceholderStateHook  # lazily: it imports this module
-
         sd = PlaceholderStateHook()(optimizer, sd)
     to_name = _index_to_name(names, sd)
     state: dict[str, dict[str, Any]] = {}
@@ -138,15 +137,6 @@ def snapshot_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
     hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in sd["param_groups"]]
     description = {"class": optimizer_class_name(optimizer), "param_groups": names, "state": kinds}
     return OptimizerSnapshot(state=state, description=description, hyperparameters=hyper)
-
-
-def user_optimizer_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
-    """The user's optimizer class: ``fully_shard`` swaps in a one-off subclass ``FSDP<Name>``
-    (bases: a mixin and the user's class), which this looks through."""
-    cls = type(optimizer)
-    while len(cls.__bases__) > 1 and cls.__name__ == f"FSDP{cls.__bases__[-1].__name__}":
-        cls = cls.__bases__[-1]
-    return cls
 
 
 def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
