@@ -37,6 +37,7 @@ def test_table_flags_a_peak_above_the_bound() -> None:
 
 
 def test_cpu_smoke_run_performs_every_operation(tmp_path: Path) -> None:
+    pytest.importorskip("safetensors", reason="import_hf reads safetensors files: pip install -e '.[hf]'")
     out = tmp_path / "rows.json"
     # a one-rank run outside torchrun (the bench then uses an in-process store)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
