@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The project's test command (README quick start, step 2; .ci/run calls exactly this).
-# Creates or reuses .venv, installs torch (CPU build when no NVIDIA GPU is present) and the project with its
-# test and lint extras, then runs ruff and mypy, the CPU L0 tier (unit suites, the l0 cells of every functional suite and the
-# known-bug regression tests, with a sign-off report) and every test L0 leaves out (slow ones, the rest of the functional suites), writing
-# JUnit XML under results/. With arguments,
-# it runs plain pytest with them instead (e.g. bash run_tests.sh tests/unit/fsdp -x).
+# Creates or reuses .venv (VENV=...), installs torch (CPU build 2.13.0 when no NVIDIA GPU is present;
+# TORCH_VERSION=X.Y.Z installs that release instead) and the project with its test, lint and hf extras, then
+# runs ruff and mypy, the CPU L0 tier (unit suites, the l0 cells of every functional suite and the
+# known-bug regression tests, with a sign-off report), the golden cells again with OMP_NUM_THREADS=1,
+# and every test L0 leaves out (slow ones, the rest of the functional suites), writing JUnit XML under
+# results/. With arguments, it runs plain pytest with them instead (e.g. bash run_tests.sh tests/unit/fsdp -x).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -19,7 +20,15 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 
-if ! python -c 'import torch' 2>/dev/null; then
+if [ -n "${TORCH_VERSION:-}" ]; then
+    # Another supported torch on purpose (e.g. TORCH_VERSION=2.14.1 VENV=.venv-2.14: the package index has
+    # 2.14.1 only as the CUDA build, several GB, which also runs on a CPU-only machine).
+    have=$(python -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || echo none)
+    if [ "$have" != "$TORCH_VERSION" ]; then
+        echo "[run_tests] installing torch $TORCH_VERSION into $VENV (found: $have)"
+        python -m pip install -q "torch==$TORCH_VERSION"
+    fi
+elif ! python -c 'import torch' 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         echo "[run_tests] NVIDIA GPU found: install a CUDA build of torch into $VENV first" >&2
         exit 2
@@ -27,8 +36,8 @@ if ! python -c 'import torch' 2>/dev/null; then
     echo "[run_tests] installing torch 2.13.0 (CPU build)"
     python -m pip install -q torch==2.13.0
 fi
-echo "[run_tests] installing fsdp-harness with test and lint extras"
-python -m pip install -q -e '.[test,lint]'
+echo "[run_tests] installing fsdp-harness with test, lint and hf extras"
+python -m pip install -q -e '.[test,lint,hf]'
 
 # pytest-forked 1.7.5 breaks on pytest >= 9.2; the pin lives in pyproject.toml and is checked here.
 python - <<'PY'
@@ -67,6 +76,11 @@ rest() {
     [ "$rc" -eq 0 ] && rc=$status
     return 0
 }
+# The golden cells once more with OMP_NUM_THREADS=1 exported: pinned numerics make their bits independent
+# of the machine's thread count (the L0 tier above ran them with the default one).
+echo "[run_tests] golden cells again with OMP_NUM_THREADS=1"
+OMP_NUM_THREADS=1 python -m pytest tests/functional/test_golden.py tests/functional/test_checkpoint_compat.py \
+    -m "golden and not slow" -q -rfEs --junitxml="$OUT/golden-omp1.xml" || { [ "$rc" -eq 0 ] && rc=1; }
 rest unit-slow tests/unit "slow"
 rest functional tests/functional "not (l0 or regression or golden) or slow"
 exit "$rc"

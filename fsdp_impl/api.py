@@ -27,6 +27,7 @@ from .offload import OffloadPolicy
 from .offload_optim import check_offload_optimizer
 from .optimizer_binding import ENGINE_REF_ATTR, attach_engines, param_mapping, remap_optimizer_params
 from .policy import MixedPrecisionPolicy, ShardingStrategy, parse_strategy
+from .validation import check_not_wrapped
 
 Strategy = str | int
 
@@ -150,6 +151,7 @@ def fully_shard(
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(module, nn.Module):
+        check_not_wrapped(module)  # before the optimizer check, which would blame the optimizer
         known = {id(p) for p in module.parameters()}
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:

@@ -35,7 +35,7 @@ from .meta_init import materialise, sync_rng_from_rank0
 from .module import FullyShardedModule
 from .nccl_ub import UserBuffers, registration_groups
 from .nccl_ub import check_backend as check_nccl_backend
-from .offload import ModelOffload, check_offload
+from .offload import ModelOffload, check_offload, check_window
 from .optimizer_binding import ENGINE_REF_ATTR
 from .parallel_dims import ParallelDims, attach_tp_specs, check_gather_group, resolve_parallel_dims
 from .param import ManagedParam
@@ -251,6 +251,9 @@ def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], config: F
     for context in (ctx, expert_ctx):
         if context is not None:
             context.user_buffers = user_buffers
+    parts = [(ordinary, ctx) for ordinary, _ in layout.parts]
+    parts += [(expert, expert_ctx) for _, expert in layout.parts if expert_ctx is not None]
+    check_window(config.offload_policy, parts, device)  # before any buffer exists (a collective)
     with user_buffers.allocating() if user_buffers is not None else contextlib.nullcontext():
         per_match, units, modules = build_units(layout, ctx, expert_ctx)
         shard_units(module, per_match, layout, device, config.init_model_with_meta_device)

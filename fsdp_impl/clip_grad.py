@@ -165,7 +165,19 @@ def _total_norm(groups: list[_ReduceGroup], norm_type: float) -> torch.Tensor:
             reduced = reduced.to(total.device)
             total = torch.maximum(total, reduced) if math.isinf(norm_type) else total + reduced
     assert total is not None
-    return total if math.isinf(norm_type) else total ** (1.0 / norm_type)
+    return total if math.isinf(norm_type) else _root(total, norm_type)
+
+
+def _root(total: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """``total ** (1 / p)``. A CPU square root is taken in float64 on the host and rounded once
+    to ``total``'s dtype: the correctly rounded root, as CUDA's ``sqrt`` and torch's own
+    ``clip_grad_norm_`` (``vector_norm``) give. torch's CPU ``sqrt`` and ``pow(x, 0.5)`` run in
+    MKL's vector math library, whose last bit depends on the CPU (measured: 1 in 7 roots differ
+    from the correctly rounded one on an AMD AVX2 machine, and differently on emulated Intel CPUs),
+    so a grad norm, and every clipped step after it, would not be the same on every machine."""
+    if norm_type == 2.0 and total.device.type == "cpu" and total.numel() == 1:
+        return torch.tensor(math.sqrt(float(total.item())), dtype=total.dtype)
+    return total ** (1.0 / norm_type)
 
 
 def clip_grad_norm(

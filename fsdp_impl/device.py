@@ -6,6 +6,7 @@ On CUDA, collectives run on side streams ordered against the compute stream with
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -115,6 +116,28 @@ def _cudart() -> Any:
 def _host_unregister(ptr: int) -> int:
     """Unlock pages locked by ``pinned_zeros`` (its storage is being freed); returns the CUDA code."""
     return int(_cudart().cudaHostUnregister(ptr))
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes a new allocation on ``device`` can still get (None: unknown): CUDA, what the driver
+    has free plus what torch's caching allocator holds unused; CPU, the kernel's estimate of
+    available host memory (``MemAvailable``, else the free physical pages)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def synchronize(device: torch.device) -> None:

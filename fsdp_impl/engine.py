@@ -39,6 +39,22 @@ def traced_phase(phase: str, unit: FSDPUnit) -> contextlib.AbstractContextManage
     return comm.traced(phase_label(phase, unit)) if comm.profiling() else contextlib.nullcontext()
 
 
+def outside_forward_error(unit: FSDPUnit, module: nn.Module) -> RuntimeError:
+    """The error for ``module`` (holding ``unit``'s params) called while they are sharded: it
+    names the module, the unit and what to do (torch's own error names an aten op)."""
+    where = next((p.fqn.rpartition(".")[0] for p in unit.params if p.locations[0][0] is module), None)
+    named = f"module {where or '<root>'!r}" if where is not None else "it"
+    if unit.name.startswith("<root>"):
+        how = ("call it from the forward of the model fully_shard returned (which gathers the root's params), "
+               "or make it a unit of its own (add its class to fsdp_unit_modules)")
+    else:
+        how = (f"call it from the unit's forward (run {unit.name!r} itself), or make it a unit of its own "
+               f"(add its class to fsdp_unit_modules; units are the outermost matches, so in place of the "
+               f"class of {unit.name!r})")
+    return RuntimeError(f"{type(module).__name__} holds params of FSDP unit {unit.name!r} but ran outside that "
+                        f"unit's forward: {named} was called while its params are sharded DTensors; {how}")
+
+
 class FSDPEngine:
     """Drives the units of one model through forward, backward and grad sync."""
 
@@ -145,10 +161,7 @@ class FSDPEngine:
             self._recompute_pre_forward(unit)
             return
         if unit.state != TrainingState.FORWARD:
-            raise RuntimeError(
-                f"{type(module).__name__} holds params of FSDP unit {unit.name!r} but ran outside that unit's "
-                "forward, where its params are sharded DTensors; call it from the unit's forward, or make it "
-                "a unit of its own (add its class to fsdp_unit_modules)")
+            raise outside_forward_error(unit, module)
         if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and not unit.is_unsharded:
             with traced_phase("pre_forward", unit):
                 unit.unshard()

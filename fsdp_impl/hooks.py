@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .engine import FSDPEngine
+from .engine import FSDPEngine, outside_forward_error
 from .param import ManagedParam
 from .unit import FSDPUnit
 
@@ -62,6 +62,18 @@ class _SubmodulePreForward(_UnitHook):
         engine.submodule_pre_forward(unit, module)
 
 
+class _ShardedGuard(_UnitHook):
+    """On a module holding a unit's params that no other engine hook covers: present only while
+    the unit is swapped out (``FSDPUnit.swap_in`` removes it, ``swap_out`` puts it back), so a
+    call of the module then gets our error instead of torch's ``mixed torch.Tensor and DTensor``,
+    and the forward, which swaps in first, runs the module without this (or any) hook."""
+
+    @torch.compiler.disable
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        engine, unit = self.target()
+        raise outside_forward_error(unit, module)
+
+
 class _GradReady(_UnitHook):
     """``register_post_accumulate_grad_hook`` target on one unsharded compute param."""
 
@@ -77,14 +89,23 @@ class _GradReady(_UnitHook):
 def register_hooks(engine: FSDPEngine, unit_modules: list[nn.Module]) -> list[RemovableHandle]:
     """Forward pre/post hooks on each unit module (the root is driven by the wrapper's forward),
     a pre-forward hook on the submodules ``FSDPUnit.hooked_submodules`` names (after the unit's
-    own), and a post-accumulate-grad hook on every trainable compute param."""
+    own), a guard on the other modules holding a unit's params (``_ShardedGuard``; the units are
+    swapped out now, so every guard starts in place), and a post-accumulate-grad hook on every
+    trainable compute param."""
     handles: list[RemovableHandle] = []
+    units_at = {id(m) for m in unit_modules}  # a unit module's own call is its unit's forward
     for unit, module in zip(engine.units, unit_modules, strict=True):
+        hooked = unit.hooked_submodules() if unit is not engine.root else []
         if unit is not engine.root:
             handles.append(module.register_forward_pre_hook(_PreForward(engine, unit)))
             handles.append(module.register_forward_hook(_PostForward(engine, unit)))
-            handles += [m.register_forward_pre_hook(_SubmodulePreForward(engine, unit))
-                        for m in unit.hooked_submodules()]
+            handles += [m.register_forward_pre_hook(_SubmodulePreForward(engine, unit)) for m in hooked]
+        for m in unit.param_modules():
+            if id(m) not in units_at and all(m is not h for h in hooked):
+                guard = _ShardedGuard(engine, unit)
+                handle = m.register_forward_pre_hook(guard)
+                unit.guards.append((m._forward_pre_hooks, handle.id, guard))
+                handles.append(handle)
         for p in unit.trainable:
             handles.append(p.unsharded.register_post_accumulate_grad_hook(_GradReady(engine, unit, p)))
     return handles

@@ -24,18 +24,24 @@ side streams; without pinning they are synchronous copies. Pinned buffers hold e
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .buffers import DataParallelBuffer
-from .device import host_device, pinned_memory_available, pinned_zeros, synchronize
+from .device import free_memory, host_device, pinned_memory_available, pinned_zeros, synchronize
+from .offload_step import WINDOW_SLOTS, window_capacity, window_too_large
+from .policy import ResolvedDtypes
+from .sharding import FlatLayout
 
 if TYPE_CHECKING:
-    from .unit import FSDPUnit
+    from .param import ManagedParam
+    from .unit import FSDPUnit, UnitContext
 
 STEPS = ("gpu", "cpu")
 MIN_CHUNK_BYTES = 4096
@@ -60,7 +66,10 @@ class OffloadPolicy:
       the optimizer on the host (any optimizer; Adam/AdamW use torch's fused CPU kernel).
     * ``pin_memory`` (True): page-locked host buffers (asynchronous copies); needs CUDA.
     * ``chunk_bytes`` (64 MiB): device bytes of one chunk of the streamed step (all streamed
-      tensors of the chunk together); the window holds ``WINDOW_SLOTS`` chunks.
+      tensors of the chunk together), an upper bound: a chunk never holds more than the step
+      streams, and the window holds ``WINDOW_SLOTS`` chunks (fewer when the step has fewer). A
+      window that cannot fit the device's free memory is refused at wrap time
+      (``check_window``) and again, exactly, before the first step allocates it.
     """
 
     optimizer_state: bool = True
@@ -147,6 +156,52 @@ def check_offload(policy: object, device: torch.device, cuda_graph_mode: bool, m
     if has_fp8_params(module):
         raise NotImplementedError("offload_policy with FP8 parameters is not implemented yet: their FP8 bytes are "
                                   "quantised from device-resident main shards; pass offload_policy=None")
+
+
+# The narrowest moments a streamed Adam may keep (fsdp_impl.optim takes any floating dtype, FP8
+# included): the wrap-time bound counts them at this width so that it never exceeds the window
+# the step will allocate; the step checks the exact window before allocating it.
+_MIN_MOMENT_BYTES = 1
+
+
+def window_lower_bound(policy: OffloadPolicy, parts: Sequence[tuple[Sequence[ManagedParam], UnitContext]]) -> int:
+    """Bytes of the streamed step's window for a model of these units on this rank, before the
+    optimizer is known: every trainable param steps, the moments at their narrowest width."""
+    total, per_elem = 0, 0
+    for params, ctx in parts:
+        trainable = [p for p in params if p.requires_grad]
+        if not trainable:
+            continue
+        dtypes = ResolvedDtypes.resolve(ctx.policy, params[0].dtype)
+        layout = FlatLayout([p.layout_shape for p in trainable], ctx.num_shards)
+        total += sum(math.prod(slot.local_shape(ctx.num_shards, ctx.layout_rank)) for slot in layout.slots)
+        unit_bytes = ((dtypes.main_params.itemsize if policy.main_params else 0)
+                      + (dtypes.main_grads.itemsize if policy.grads_on_host else 0)
+                      + (2 * _MIN_MOMENT_BYTES if policy.optimizer_state else 0))
+        per_elem = max(per_elem, unit_bytes)
+    if total == 0 or per_elem == 0:
+        return 0
+    capacity = window_capacity(policy.chunk_bytes, per_elem, total)
+    return min(WINDOW_SLOTS, -(-total // capacity)) * capacity * per_elem
+
+
+def check_window(policy: OffloadPolicy | None, parts: Sequence[tuple[Sequence[ManagedParam], UnitContext]],
+                 device: torch.device) -> None:
+    """Wrap time, before any buffer exists: refuse a ``step="gpu"`` window that cannot fit the
+    free memory of ``device`` on some rank, naming ``OffloadPolicy.chunk_bytes``. Free memory
+    differs between ranks, so every rank's (needed, free) pair is shared (one all-reduce over
+    the world) and every rank raises the same error: one rank refusing alone would leave the
+    others waiting in the wrap's next collective."""
+    if policy is None or policy.step != "gpu":
+        return
+    needed = window_lower_bound(policy, parts)
+    limit = free_memory(device)
+    rows = torch.zeros(dist.get_world_size(), 2, dtype=torch.int64, device=device)
+    rows[dist.get_rank()] = torch.tensor([needed, -1 if limit is None else limit])
+    dist.all_reduce(rows)
+    for rank, (need, free) in enumerate(rows.tolist()):
+        if free >= 0 and need > free:
+            raise window_too_large(policy.chunk_bytes, need, free, device, rank)
 
 
 def host_buffer(like: DataParallelBuffer, pin: bool) -> DataParallelBuffer:

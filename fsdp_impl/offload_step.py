@@ -2,7 +2,9 @@
 
 The state that lives in host memory (main params, optimizer moments, maybe grads) is cut into
 chunks of at most ``capacity`` elements (``plan_chunks``); the window holds ``WINDOW_SLOTS``
-chunks. Per chunk ``i`` (slot ``i % WINDOW_SLOTS``):
+chunks (fewer when the step has fewer; a chunk is never larger than all the step streams, so an
+oversized ``chunk_bytes`` allocates no more than that: ``window_capacity``). Per chunk ``i``
+(slot ``i % WINDOW_SLOTS``):
 
 1. **H2D** on the h2d stream: copy the chunk's host pieces into its slot, after the D2H of the
    chunk that used the slot before (``i - WINDOW_SLOTS``) is done;
@@ -30,12 +32,32 @@ from typing import Any, Protocol
 import torch
 from torch.profiler import record_function
 
-from .device import CommStream, wait_on_host
+from .device import CommStream, free_memory, wait_on_host
 
 ALIGN = 128  # elements: a piece of a parameter starts at a multiple of this from the param's start
 WINDOW_SLOTS = 3  # chunks resident in the device window: H2D, math and D2H overlap
 PARAM, GRAD = "param", "grad"
 WRITE_BACK = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # kinds the step updates
+
+
+def window_capacity(chunk_bytes: int, per_elem: int, total_numel: int) -> int:
+    """Elements per chunk: ``chunk_bytes`` over the streamed bytes per element, at least
+    ``ALIGN``, and never more than the step streams (``total_numel``): a larger chunk only holds
+    window memory nothing is copied into. The plan is the same either way (everything in one
+    chunk), so the clamp changes no copy and no number."""
+    return max(ALIGN, min(chunk_bytes // max(per_elem, 1), total_numel))
+
+
+def window_too_large(chunk_bytes: int, needed: int, limit: int, device: torch.device,
+                     rank: int | None = None) -> ValueError:
+    """The error for a streaming window that cannot fit: it names the field, both sizes and
+    what to do (the step would otherwise die in the allocator, naming neither)."""
+    where = f" on rank {rank}" if rank is not None else ""
+    memory = "host memory" if device.type == "cpu" else f"{device} memory"
+    return ValueError(f"OffloadPolicy.chunk_bytes={chunk_bytes} needs a streaming window of {needed} bytes "
+                      f"({needed / 2**30:.2f} GiB: up to {WINDOW_SLOTS} chunks, each at most the state the step "
+                      f"streams), but only {limit} bytes ({limit / 2**30:.2f} GiB) of {memory} are free{where}; "
+                      "pass a smaller OffloadPolicy.chunk_bytes")
 
 
 @dataclass(frozen=True)
@@ -213,7 +235,9 @@ class StreamedStep:
     """Runs one optimizer step over host-resident tensors through a device window.
 
     ``streamed``: the kinds held in host memory (copied in; those in ``WRITE_BACK`` copied back);
-    other kinds are used in place. ``chunk_bytes`` bounds one chunk's window bytes."""
+    other kinds are used in place. ``chunk_bytes`` bounds one chunk's window bytes; the window
+    holds ``min(slots, chunks)`` chunks of at most what the step streams (``window_capacity``),
+    and one that cannot fit the free memory of ``device`` is refused before it is allocated."""
 
     def __init__(self, device: torch.device, streamed: set[str], chunk_bytes: int, non_blocking: bool,
                  streams: StepStreams, slots: int = WINDOW_SLOTS) -> None:
@@ -224,12 +248,14 @@ class StreamedStep:
         self.streams = streams
         self.slots = slots
         self.last_plan: list[list[Piece]] = []  # for tests and logs
+        self.last_window_bytes = 0  # bytes of the last step's window (for tests and logs)
+        self._fits = 0  # the largest window found to fit the free memory so far
 
     def capacity(self, entries: list[StreamEntry]) -> int:
         """Elements per chunk: ``chunk_bytes`` over the widest entry's streamed bytes per element."""
         per_elem = max((sum(t.element_size() for k, t in e.tensors.items() if k in self.streamed)
                         for e in entries), default=0)
-        return max(ALIGN, self.chunk_bytes // max(per_elem, 1))
+        return window_capacity(self.chunk_bytes, per_elem, sum(e.numel for e in entries))
 
     def run(self, entries: list[StreamEntry], kernel: Kernel) -> None:
         """The pipelined step over ``entries`` (see the module docstring)."""
@@ -238,7 +264,7 @@ class StreamedStep:
         capacity = self.capacity(entries)
         chunks = plan_chunks([e.numel for e in entries], capacity)
         self.last_plan = chunks
-        window = self._window(entries, capacity)
+        window = self._window(entries, capacity, min(self.slots, len(chunks)))
         h2d_done: dict[int, Any] = {}
         d2h_done: dict[int, Any] = {}
         with record_function("FSDP::offload_step"):
@@ -260,12 +286,20 @@ class StreamedStep:
                 self.streams.d2h.wait(last)  # the compute stream: the window is free, host copies done
                 self.streams.host_wait(last)  # host code may read the params/state right after step()
 
-    def _window(self, entries: list[StreamEntry], capacity: int) -> dict[tuple[str, torch.dtype], torch.Tensor]:
+    def _window(self, entries: list[StreamEntry], capacity: int, slots: int
+                ) -> dict[tuple[str, torch.dtype], torch.Tensor]:
         """One device tensor of ``slots`` chunks per streamed (kind, dtype), on the compute stream
-        (freed when the step returns: the compute stream has waited for every use by then)."""
-        keys = {(k, t.dtype) for e in entries for k, t in e.tensors.items() if k in self.streamed}
-        return {key: torch.empty(self.slots * capacity, dtype=key[1], device=self.device)
-                for key in sorted(keys, key=str)}
+        (freed when the step returns: the compute stream has waited for every use by then).
+        Chunk ``i`` uses slot ``i % self.slots``, so fewer chunks than slots need only as many."""
+        keys = sorted({(k, t.dtype) for e in entries for k, t in e.tensors.items() if k in self.streamed}, key=str)
+        needed = sum(slots * capacity * dtype.itemsize for _, dtype in keys)
+        if needed > self._fits:  # checked once per size: the step's host path stays as it was
+            limit = free_memory(self.device)
+            if limit is not None and needed > limit:
+                raise window_too_large(self.chunk_bytes, needed, limit, self.device)
+            self._fits = needed
+        self.last_window_bytes = needed
+        return {key: torch.empty(slots * capacity, dtype=key[1], device=self.device) for key in keys}
 
     def _load(self, i: int, chunks: list[list[Piece]], entries: list[StreamEntry],
               window: dict[tuple[str, torch.dtype], torch.Tensor], capacity: int, d2h_done: dict[int, Any]) -> Any:

@@ -69,6 +69,8 @@ class _Gather:
 
 # One location of a param for a swap: its module's parameter dict, the name, the tensor to store.
 _Swap = tuple[dict[str, nn.Parameter | None], str, nn.Parameter]
+# A guard hook (hooks.py): a module's forward-pre-hook dict, the hook's key and the hook itself.
+_Guard = tuple[dict[int, Callable[..., object]], int, Callable[..., object]]
 
 
 @dataclass
@@ -175,6 +177,9 @@ class FSDPUnit:
         # (module param dict, name, tensor) per param location for swap_in / swap_out, built at
         # the first swap after sharding: a swap is then one dict store per location
         self._swaps: tuple[list[_Swap], list[_Swap]] | None = None
+        # hooks refusing a call of a module holding this unit's params while they are sharded
+        # (hooks.py): present exactly while swapped out, so a forward runs them hook-free
+        self.guards: list[_Guard] = []
         self._solo_gather = comm.solo(ctx.gather_group or ctx.group)  # one rank: no gather (_start_gather)
         self.fp8: UnitFp8 | None = None  # FP8 params: gathered as FP8 bytes (fp8_params.py)
         if self.offload is not None:
@@ -403,9 +408,11 @@ class FSDPUnit:
             self.fp8.release(after_backward=self.state == TrainingState.POST_BACKWARD)
 
     def swap_in(self) -> None:
-        """Register the compute params on their modules (for the unit's forward / backward)."""
+        """Register the compute params on their modules (unit forward / backward), lift the guards."""
         for params, name, tensor in self._swap_lists()[0]:
             params[name] = tensor
+        for hooks, key, _ in self.guards:
+            hooks.pop(key, None)
 
     def _swap_lists(self) -> tuple[list[_Swap], list[_Swap]]:
         """Per location of every param (tied weights: several) the module's parameter dict, the
@@ -439,9 +446,11 @@ class FSDPUnit:
         return []
 
     def swap_out(self) -> None:
-        """Register the sharded DTensor params again (outside the unit's compute)."""
+        """Register the sharded DTensor params again (outside the unit's compute), and the guards."""
         for params, name, tensor in self._swap_lists()[1]:
             params[name] = tensor
+        for hooks, key, hook in self.guards:
+            hooks[key] = hook
 
     # --------------------------------------------------------------------- grads
     def accept_grad(self, p: ManagedParam) -> bool:

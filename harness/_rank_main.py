@@ -29,9 +29,11 @@ def main() -> int:
     import pytest
     import torch.distributed as dist
 
+    from harness import numerics
     from harness.context import DistEnv, RankState
     from harness.rank_session import RankSession
 
+    numerics.apply_from_env()  # pinned numerics' in-process part, before any test computes
     rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
     port = int(env[protocol.ENV_STORE_PORT])
     store = dist.TCPStore(

@@ -12,8 +12,8 @@ import os
 import pathlib
 import time
 
+from harness import numerics, protocol
 from harness import procs as procs_mod
-from harness import protocol
 from harness.backend import Placement
 from harness.outcome import Fault, TestOutcome, first_failed_rank
 from harness.rank_faults import DUMP_SIGNAL
@@ -34,6 +34,7 @@ class BucketSetup:
     startup_s: float
     grace_s: float
     harness_path: pathlib.Path
+    pinned_numerics: bool = False  # the ranks start with harness.numerics.PINNED_ENV
 
 
 def thread_env(env: dict[str, str], world_size: int) -> dict[str, str]:
@@ -91,6 +92,10 @@ class Bucket:
         for k in ("MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
         env.update(thread_env(env, s.world_size))
+        if s.pinned_numerics:
+            env.update(numerics.rank_env())
+        else:
+            env.pop(numerics.ENV_MODE, None)
         if s.placement.gpu_ids is not None:
             env["CUDA_VISIBLE_DEVICES"] = procs_mod.gpu_env(s.placement.gpu_ids[rank])
         return env

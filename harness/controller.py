@@ -16,24 +16,27 @@ from typing import Any
 import pytest
 
 from harness import backend as backend_mod
-from harness import gpu_lease, node_ids
+from harness import gpu_lease, node_ids, numerics
 from harness import procs as procs_mod
 from harness.bucket import Bucket, BucketSetup, TestOutcome
 from harness.combine import ReportBuilder, needs_restart, warn_state_changes
+from harness.protocol import SIGNAL_NAME_ATTR
 from harness.spec import SPEC_KEY, DistSpec, resolve_startup_timeout, resolve_timeout
 
 
 @dataclasses.dataclass(frozen=True)
 class BucketKey:
-    """Identity of a bucket: its name (default: the module's node id) and world size."""
+    """Identity of a bucket: its name (default: the module's node id), world size and whether its
+    ranks start with pinned numerics (``harness.numerics``: an environment fixed at process start)."""
 
     name: str
     world_size: int
+    pinned: bool = False
 
     @property
     def label(self) -> str:
         """Also the xdist group name; xdist splits node ids at the last '@', so it must contain none."""
-        return f"{self.name.replace('@', '_')}::ws{self.world_size}"
+        return f"{self.name.replace('@', '_')}::ws{self.world_size}" + ("::pinned" if self.pinned else "")
 
 
 BUCKET_KEY = pytest.StashKey[BucketKey]()
@@ -46,7 +49,7 @@ def _safe(name: str) -> str:
 
 def bucket_key(item: pytest.Item, spec: DistSpec) -> BucketKey:
     name = spec.bucket if spec.bucket is not None else item.nodeid.split("::", 1)[0]
-    return BucketKey(name=name, world_size=spec.world_size)
+    return BucketKey(name=name, world_size=spec.world_size, pinned=numerics.wants_pinned(item))
 
 
 def order_by_bucket(items: list[pytest.Item]) -> None:
@@ -190,7 +193,7 @@ class Controller:
             label=key.label, world_size=key.world_size, placement=placement,
             workdir=self.root() / f"bucket{self.bucket_count:03d}-{_safe(key.label)}",
             rootdir=self.config.rootpath, pytest_args=tuple(self._rank_args(key)),
-            session_shared_dir=self.session_shared_dir(),
+            session_shared_dir=self.session_shared_dir(), pinned_numerics=key.pinned,
             startup_s=resolve_startup_timeout(self.config, placement.backend),
             grace_s=float(self.config.getoption("harness_grace")),
             harness_path=pathlib.Path(__file__).resolve().parent.parent,
@@ -277,13 +280,19 @@ class Controller:
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+    """A plain KeyboardInterrupt (pytest ends the session on it and says so as for Ctrl-C), marked
+    with the signal's name for the record of the test it stopped."""
+    name = signal.Signals(signum).name
+    exc = KeyboardInterrupt(f"{name} received")
+    setattr(exc, SIGNAL_NAME_ATTR, name)
+    raise exc
 
 
 def _interrupt_on_sigterm() -> Any:
     """SIGTERM (CI cancellation, ``timeout``) ends the session like Ctrl-C: pytest reports what ran,
-    writes JUnit and the buckets are reaped. Only where nobody else handles SIGTERM; returns the
-    handler to restore, or None when nothing was changed."""
+    writes JUnit (the test it stopped as an error, ``sidecar.InterruptRecorder``) and the buckets
+    are reaped. Only where nobody else handles SIGTERM; returns the handler to restore, or None when
+    nothing was changed."""
     if threading.current_thread() is not threading.main_thread() \
             or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return None

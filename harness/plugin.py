@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from harness import backend as backend_mod
-from harness import golden, matrix, mutant, nodes, protocol, rerun, sidecar, spec
+from harness import golden, matrix, mutant, nodes, numerics, protocol, rerun, sidecar, spec
 from harness.context import RANK_STATE_KEY, DistEnv, RankState
 
 MARKERS = (
@@ -106,6 +106,7 @@ def pytest_configure(config: pytest.Config) -> None:
         from harness.torchrun.session import TorchrunSession, quiet_non_zero_ranks
 
         quiet_non_zero_ranks(config)
+        numerics.apply_from_env()  # a torchrun launched with harness.numerics.PINNED_ENV exported
         config.pluginmanager.register(TorchrunSession(config), "fsdp_harness_torchrun")
     rerun.register(config, mode)
     sidecar.register(config, mode)

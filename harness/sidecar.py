@@ -9,9 +9,10 @@ It is also the record of a run that never finished. While the session runs, even
 the journal at session end. A run killed by a signal (a CI timeout on a hang) leaves the journal,
 from which the sign-off shows the test that was running as an error and the rest as never run.
 
-Two plugins: :class:`ReportAnnotator` runs where tests run (the controller, each xdist worker) and
-adds bucket details to the reports; :class:`SidecarWriter` runs where JUnit is written (never in an
-xdist worker, a rank process, or a torchrun rank other than 0) and writes the files.
+Three plugins: :class:`ReportAnnotator` runs where tests run (the controller, each xdist worker) and
+adds bucket details to the reports; :class:`InterruptRecorder` runs there too (spawn mode) and logs
+the test a SIGTERM or Ctrl-C stopped as an error; :class:`SidecarWriter` runs where JUnit is written
+(never in an xdist worker, a rank process, or a torchrun rank other than 0) and writes the files.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import datetime
 import json
 import os
 import pathlib
+import tempfile
 import time
 from collections.abc import Generator
 from typing import IO, Any
@@ -29,7 +31,7 @@ from harness import environment
 from harness.matrix import AXES_KEY, allowed_axes
 from harness.mutant import ENV_MUTANT
 from harness.nodes import PLACEMENT_KEY
-from harness.protocol import RunMode
+from harness.protocol import SIGNAL_NAME_ATTR, RunMode
 from harness.report.junit_format import (
     AXIS_PROPERTY_PREFIX,
     ERROR,
@@ -139,6 +141,42 @@ class ReportAnnotator:
         report.harness_bucket = info  # type: ignore[attr-defined]
 
 
+INTERRUPTED = "interrupted by {what} while this test ran: the session was stopped before it finished (a CI " \
+              "cancellation, a timeout or Ctrl-C); its result is unknown"
+
+
+class InterruptRecorder:
+    """Logs the test that was running when the session was interrupted as an error, so JUnit and
+    the sidecar name it. pytest lets a KeyboardInterrupt (the controller turns SIGTERM into one)
+    end the session without a report of the running test: JUnit left it out (a nameless
+    ``<testcase>`` at best), and a sign-off of that JUnit alone could pass. Spawn mode only: under
+    torchrun rank 0's watchdog reports a SIGTERM itself (``harness.torchrun.reporter``)."""
+
+    def __init__(self) -> None:
+        self.logged: list[str] = []  # phases logged for the running test
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, Any, Any]:
+        self.logged = []
+        try:
+            return (yield)
+        except KeyboardInterrupt as exc:
+            if "teardown" not in self.logged:
+                self._record(item, getattr(exc, SIGNAL_NAME_ATTR, None) or "Ctrl-C (KeyboardInterrupt)")
+            raise
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.logged.append(report.when or "")
+
+    def _record(self, item: pytest.Item, what: str) -> None:
+        """An error in the phase that did not end: setup when none was logged, else teardown."""
+        when: Any = "teardown" if "setup" in self.logged else "setup"
+        report = pytest.TestReport(item.nodeid, item.location, dict.fromkeys(item.keywords, 1), "failed",
+                                   INTERRUPTED.format(what=what), when, user_properties=list(item.user_properties))
+        item.ihook.pytest_runtest_logreport(report=report)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+
+
 class SidecarWriter:
     """Journal during the session, final JSON at its end; both next to the JUnit file."""
 
@@ -225,12 +263,32 @@ class SidecarWriter:
         self.journal_path.unlink(missing_ok=True)
 
 
+def check_writable(option: str, path: pathlib.Path) -> None:
+    """Refuse a ``--junitxml`` path that cannot be written, before any test runs, in one line naming
+    it: otherwise the journal fails at session start with an INTERNALERROR traceback (and pytest's
+    own JUnit would fail only at the end, after every test ran). Probes with a real file, so a
+    read-only mount or directory counts even for root."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
+            pass
+        if path.exists():
+            with path.open("a"):  # append mode: an old result is not touched
+                pass
+    except OSError as exc:
+        raise pytest.UsageError(f"--junitxml={option}: cannot write {path} ({exc.strerror or exc}); "
+                                "give a path in a writable directory") from None
+
+
 def register(config: pytest.Config, mode: RunMode) -> None:
     """Register the annotator where tests run and the writer where JUnit is written."""
     if mode == RunMode.RANK:
         return
     config.pluginmanager.register(ReportAnnotator(config), "fsdp_harness_annotator")
+    if mode == RunMode.CONTROLLER:
+        config.pluginmanager.register(InterruptRecorder(), "fsdp_harness_interrupts")
     xml = getattr(config.option, "xmlpath", None)
     if xml and not hasattr(config, "workerinput"):
         path = pathlib.Path(os.path.abspath(os.path.expanduser(os.path.expandvars(xml))))
+        check_writable(xml, path)
         config.pluginmanager.register(SidecarWriter(config, path), "fsdp_harness_sidecar")

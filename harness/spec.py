@@ -14,6 +14,7 @@ DISTRIBUTED = "distributed"
 REQUIRES_CUDA = "requires_cuda"
 REQUIRES_GPU_ARCH = "requires_gpu_arch"
 REQUIRES_MODULE = "requires_module"
+PINNED_NUMERICS = "pinned_numerics"  # harness.numerics.MARK_NAME (spec imports nothing of the harness)
 
 # Fixtures that only make sense in the controller process: they drive or describe the controller's own
 # pytest session (pytester, xdist worker identity), so a rank process would get a meaningless copy.
@@ -112,6 +113,11 @@ def validate_item(item: pytest.Item, forbidden_fixtures: tuple[str, ...]) -> Dis
     for mark in item.iter_markers(REQUIRES_MODULE):
         if not mark.args or mark.kwargs or not all(isinstance(a, str) and a for a in mark.args):
             raise HarnessUsageError(f"{item.nodeid}: requires_module takes one or more module names (str)")
+    if spec is None and item.get_closest_marker(PINNED_NUMERICS) is not None:
+        raise HarnessUsageError(
+            f"{item.nodeid}: pinned_numerics needs distributed(world_size=N): the harness starts rank processes "
+            "with the pinned environment; a test in the pytest process cannot change the CPU kernels torch "
+            "already picked")
     if spec is not None:
         names = getattr(item, "fixturenames", ())
         bad = [f for f in names if f in forbidden_fixtures]

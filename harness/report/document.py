@@ -20,7 +20,7 @@ from harness.report.diff import BaselineDiff, Capped
 from harness.report.junit_read import COUNT_HEADERS, Counts, TestCase, one_line_cause
 from harness.report.sections import Report
 
-MAX_LISTED = 200  # tests listed in one expandable list
+MAX_LISTED = 200  # rows of one long list (skipped tests, failures, golden cells); the rest are in details.json
 FOLD_ROWS = 15  # a longer table is folded behind its summary line
 
 
@@ -86,6 +86,14 @@ def _counts(first: str, groups: dict[str, list[TestCase]]) -> Table:
 def fold(summary: str, table: Table, limit: int = FOLD_ROWS) -> Block:
     """``table`` as it is when it is short, else folded behind ``summary (N rows)``."""
     return table if len(table.rows) <= limit else Details(f"{summary} ({len(table.rows)} rows)", [table])
+
+
+def more_para(total: int, shown: int, what: str, details_file: str | None) -> Para:
+    """The line under a capped table: how many it leaves out, and where every row is."""
+    where = (f"every one is in `{details_file}`" if details_file else
+             "write the report to files (`--out-dir`) for `details.json`, which lists every one")
+    return Para(f"... and {total - shown:,} more {what} ({total:,} in all; the table lists the first {shown}; "
+                f"{where}).")
 
 
 def verdict_blocks(rep: Report) -> list[Block]:
@@ -191,9 +199,12 @@ def failure_blocks(rep: Report) -> list[Block]:
         return out + [Para("None.")]
     if rep.failures_per_rank:
         out.append(_table(["rank", "failing tests"], rep.failures_per_rank))
-    return out + [_table(["test", "run", "outcome", "failing ranks", "ranks", "cause"],
-                         ([Code(f.case.test_id), f.case.run, f.case.outcome, ", ".join(map(str, f.ranks)) or "-",
-                           f.rank_states, f.cause] for f in rep.failures))]
+    out.append(_table(["test", "run", "outcome", "failing ranks", "ranks", "cause"],
+                      ([Code(f.case.test_id), f.case.run, f.case.outcome, ", ".join(map(str, f.ranks)) or "-",
+                        f.rank_states, f.cause] for f in rep.failures[:MAX_LISTED])))
+    if len(rep.failures) > MAX_LISTED:
+        out.append(more_para(len(rep.failures), MAX_LISTED, "failing tests", rep.details_file))
+    return out
 
 
 def flaky_blocks(rep: Report) -> list[Block]:

@@ -16,8 +16,10 @@ Properties of a ``<testcase>`` (they may repeat; XML order is kept):
 - ``state_changed`` = what the test left changed in its rank (restored by the harness);
 - ``golden`` = one golden cell's comparison with its reviewed file, as JSON (``harness.golden``'s
   ``GoldenResult.as_json``: ``cell``, ``platform``, ``path``, ``status`` (one of ``GOLDEN_STATUSES``),
-  ``golden_versions`` and per series ``run``, ``golden``, ``tolerance``, ``max_rel_drift``,
-  ``first_drift_step``);
+  ``comparison`` (one of ``GOLDEN_COMPARISONS``), ``fingerprint_diff`` (list of text), ``fingerprint``,
+  ``golden_fingerprint``, ``golden_versions``, ``problem`` (why no comparison could be made, else empty)
+  and per series ``run``, ``golden``, ``tolerance`` (the band when compared within it),
+  ``max_rel_drift``, ``first_drift_step``);
 - ``checkpoint_compat`` = a checkpoint-compatibility test (``@pytest.mark.checkpoint_compat``), as JSON
   ``{"fixture": ..., "check": ...}``: which committed checkpoint it loads and what it checks.
 
@@ -56,6 +58,10 @@ CHECKPOINT_COMPAT_PROPERTY = "checkpoint_compat"
 # was rewritten (``--golden-update``: nothing was compared).
 GOLDEN_MATCH, GOLDEN_DRIFT, GOLDEN_MISSING, GOLDEN_UPDATED = "match", "drift", "missing", "updated"
 GOLDEN_STATUSES = (GOLDEN_MATCH, GOLDEN_DRIFT, GOLDEN_MISSING, GOLDEN_UPDATED)
+# How a golden cell was compared: bit for bit / within tolerance (the run's fingerprint equals the
+# file's), or within the file's measured band (the fingerprints differ: ``fingerprint_diff`` names how).
+GOLDEN_EXACT, GOLDEN_BAND = "exact", "band"
+GOLDEN_COMPARISONS = (GOLDEN_EXACT, GOLDEN_BAND)
 
 # Regression ids as carried in ``regression`` properties and known-bug lists: kebab-case.
 BUG_ID_RE = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")

@@ -54,6 +54,12 @@ _FAIL_WORDS = re.compile(
 )
 
 
+# pytest's junitxml leaves ``<testcase time="0.000"/>`` (no name, no result) for the test a
+# KeyboardInterrupt (Ctrl-C, or SIGTERM where the harness turns it into one) stopped: it is not a pass.
+NAMELESS_MESSAGE = ("a <testcase> without a name or a result: pytest writes one for the test that was running "
+                    "when the session was interrupted (Ctrl-C, SIGTERM); its result is unknown")
+
+
 class JunitError(ValueError):
     """A JUnit input that cannot be used (missing, unreadable, not JUnit XML)."""
 
@@ -250,13 +256,52 @@ def failing_ranks(case: TestCase) -> list[int]:
     return sorted(ranks)
 
 
+_RANK_TAG = re.compile(r"^\[[^\]]*\]\s*")  # "[rank 0] " before a distributed test's message
+MAX_LIST_ITEMS = 20
+
+
+def _body(line: str) -> str:
+    """A traceback line without pytest's ``E`` marker column."""
+    return line[1:] if line.startswith("E ") else line
+
+
+def _indented_after(head: str, details: str) -> list[str]:
+    """The lines indented under ``head``'s line in ``details`` (where pytest writes the rest of a
+    multi-line exception message: ``E       ...damaged (1 file problem(s)):`` then ``E         a.distcp ...``)."""
+    key = _RANK_TAG.sub("", head)
+    lines = details.splitlines()
+    for i, line in enumerate(lines):
+        if line.rstrip().endswith(key):
+            indent = len(_body(line)) - len(_body(line).lstrip())
+            items = []
+            for nxt in lines[i + 1:i + 1 + MAX_LIST_ITEMS]:
+                body = _body(nxt)
+                if not body.strip() or len(body) - len(body.lstrip()) <= indent:
+                    break
+                items.append(body.strip())
+            return items
+    return []
+
+
+def with_listed_items(message: str, details: str) -> str:
+    """``message`` on one line, with the list its first line announces (``...: `` at its end, as in
+    "checkpoint X is damaged (2 file problem(s)):"): from the message's own next lines, else from the
+    details, where a distributed test's one-line message leaves them. Otherwise ``message``."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    if not lines or not lines[0].endswith(":"):
+        return message
+    items = lines[1:MAX_LIST_ITEMS + 1] or _indented_after(lines[0], details)
+    return f"{lines[0]} {'; '.join(items)}" if items else message
+
+
 def one_line_cause(case: TestCase, limit: int = 160) -> str:
-    """A single line saying why a test failed or was skipped, for report tables."""
+    """A single line saying why a test failed or was skipped, for report tables (a message that
+    announces a list keeps the list: the file names of a damaged checkpoint, say)."""
     candidates = []
     if case.message == COLLECTION_SKIPPED:
         candidates.append(_collection_skip_reason(case.details))
     elif case.message and case.message != COLLECTION_FAILURE:
-        candidates.append(case.message)
+        candidates.append(with_listed_items(case.message, case.details))
     e_lines = [ln[1:].strip() for ln in case.details.splitlines() if ln.startswith("E ")]
     candidates.extend(e_lines[-1:])
     candidates.append(case.details)
@@ -329,6 +374,8 @@ def to_case(case: junitparser.TestCase, run: str) -> TestCase:
         time_s = float(case.time or 0.0)
     except ValueError:
         time_s = 0.0
+    if not case.name and not case.classname and outcome == PASSED:
+        outcome, message = ERROR, NAMELESS_MESSAGE
     return TestCase(run=run, classname=case.classname or "", name=case.name or "", outcome=outcome,
                     message=message, details=details, properties=properties, time_s=time_s,
                     file=getattr(case, "file", None))

@@ -16,6 +16,7 @@ LEFT, RIGHT, TOP, BOTTOM = 64, 10, 24, 30
 RUN, GOLDEN, MARK = "#c62828", "#9e9e9e", "#ef6c00"
 SERIES_COLOURS = ("#c62828", "#1565c0", "#6a1b9a", "#2e7d32", "#ef6c00", "#00838f")
 DRIFT_FLOOR = 1e-18  # where an exact step sits on the log axis
+MAX_MARKERS = 50  # hover points per series (each ~140 bytes); the curve itself keeps every step
 
 
 def _esc(text: object) -> str:
@@ -68,6 +69,16 @@ def _finite(values: Sequence[float]) -> list[float]:
     return [v for v in values if math.isfinite(v)]
 
 
+def marker_steps(steps: int, first_drift: int | None) -> list[int]:
+    """The steps that get a hover point: all of a short series; of a long one ``MAX_MARKERS``
+    evenly spaced, the first drifting step and the last (so 20 plots of 300 steps stay small)."""
+    if steps <= MAX_MARKERS:
+        return list(range(steps))
+    every = math.ceil(steps / MAX_MARKERS)
+    extra = {steps - 1} | ({first_drift} if first_drift is not None and 0 <= first_drift < steps else set())
+    return sorted(set(range(0, steps, every)) | extra)
+
+
 def values_panel(s: SeriesView, x0: float) -> list[str]:
     """The golden curve (wide, grey) with the run's on top (thin, red); hover a point for its numbers."""
     golden = s.golden or []
@@ -76,7 +87,8 @@ def values_panel(s: SeriesView, x0: float) -> list[str]:
     out = frame.box(f"{s.name}: run over golden", [(min(both), _num(min(both))), (max(both), _num(max(both)))])
     out.append(frame.line(golden, GOLDEN, 5, ' stroke-opacity="0.7"'))
     out.append(frame.line(s.run, RUN, 1.5))
-    for i, v in enumerate(s.run):
+    for i in marker_steps(len(s.run), s.first_drift_step):
+        v = s.run[i]
         if not math.isfinite(v):
             continue
         want = golden[i] if i < len(golden) else math.nan

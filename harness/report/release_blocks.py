@@ -6,14 +6,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.report.document import FOLD_ROWS, Block, Bullets, Chart, Code, Details, Heading, Md, Para, Table, fold
-from harness.report.golden_view import NO_RESULT, GoldenCell, drift_text
-from harness.report.junit_format import GOLDEN_DRIFT, GOLDEN_MISSING
+from harness.report.document import (
+    FOLD_ROWS,
+    MAX_LISTED,
+    Block,
+    Bullets,
+    Chart,
+    Code,
+    Details,
+    Heading,
+    Md,
+    Para,
+    Table,
+    fold,
+    more_para,
+)
+from harness.report.golden_view import MAX_PLOTS, GoldenCell, drift_text, plotted
+from harness.report.junit_format import GOLDEN_BAND, GOLDEN_DRIFT, GOLDEN_MISSING
 from harness.report.junit_read import one_line_cause
 from harness.report.sections import Report, gpu_only_here, numerics_survivors
 from harness.report.speed import SpeedRow
 
-MAX_PLOTS = 20  # drifting cells drawn; a torch upgrade that moves every cell still gives a readable page
+COMPAT_CAUSE_CHARS = 480  # a compatibility failure's cause: room for the file problems a damaged fixture lists
 
 
 def _series_names(cells: list[GoldenCell]) -> list[str]:
@@ -34,13 +48,13 @@ def _cell_table(cells: list[GoldenCell], names: list[str], detail: bool = False)
     rows = []
     for g in cells:
         by_name = {s.name: s for s in g.series}
-        row: list[object] = [Code(g.cell), g.platform, g.case.run, _status(g),
+        row: list[object] = [Code(g.cell), g.platform, g.case.run, _status(g), g.compared,
                              *(drift_text(by_name[n]) if n in by_name else "-" for n in names), _versions(g)]
         if detail:
             row.append(Md(g.detail or (f"no file `{g.path}`" if g.status == GOLDEN_MISSING else
                                        "plot below" if g.status == GOLDEN_DRIFT else "")))
         rows.append(row)
-    headers = ["cell", "platform", "run", "status", *(f"{n}: max drift @ first step" for n in names),
+    headers = ["cell", "platform", "run", "status", "compared", *(f"{n}: max drift @ first step" for n in names),
                "golden made with", *(["detail"] if detail else [])]
     return Table(headers, rows)
 
@@ -71,30 +85,52 @@ def golden_blocks(rep: Report) -> list[Block]:
     out.append(Para(f"{len(cells)} golden cell(s) on {platforms}: "
                     + ", ".join(f"{n} {s}" for s, n in counts.items())
                     + ". Each is a short fixed-seed run compared step by step with its reviewed file; drift is "
-                      "relative (|run - golden| / |golden|); a tolerance of 0 means bit for bit."))
+                      "relative (|run - golden| / |golden|); a tolerance of 0 means bit for bit. Where the run's "
+                      "fingerprint (what decides its bits: torch, BLAS, CPU kernels, threads; GPU stack) equals "
+                      "the file's, the comparison is exact; where it differs, within the band measured for the "
+                      "cell (column *compared*)."))
+    banded = [g for g in cells if g.comparison == GOLDEN_BAND]
+    if banded:
+        out.append(Para(f"**Note: {len(banded)} of {len(cells)} cell(s) were compared within their band, not bit "
+                        f"for bit**, because this run's fingerprint differs from their file's (first "
+                        f"`{banded[0].cell}`: {'; '.join(banded[0].fingerprint_diff) or '?'}). A band catches a "
+                        "real change (a learning rate off by 1e-3) but not a last-bit one: compare on the "
+                        "fingerprint that made the files for that."))
     names = _series_names(cells)
     problems = [g for g in cells if not g.ok]
     if problems:
-        out.append(_cell_table(problems, names, detail=True))
-        out.append(Details(f"Every golden cell ({len(cells)} rows)", [_cell_table(cells, names)]))
+        out.append(_cell_table(problems[:MAX_LISTED], names, detail=True))
+        if len(problems) > MAX_LISTED:
+            out.append(more_para(len(problems), MAX_LISTED, "problem cells", rep.details_file))
+        listed = f"; the first {MAX_LISTED} listed" if len(cells) > MAX_LISTED else ""
+        every = f"Every golden cell ({len(cells)} rows{listed})"
+        out.append(Details(every, [_cell_table(cells[:MAX_LISTED], names)]))
     else:
-        out.append(fold("Every golden cell", _cell_table(cells, names)))
-    missing = [g for g in problems if g.status in (GOLDEN_MISSING, NO_RESULT)]
-    if any(g.status == GOLDEN_MISSING for g in missing):
-        out.append(Para("**Missing golden files**: make each with its command, review the printed values and "
-                        "commit the file (on the platform it is for):"))
-        out.append(Table(["cell", "platform", "command"],
-                         [[Code(g.cell), g.platform, Code(g.update_command)] for g in missing
-                          if g.status == GOLDEN_MISSING]))
-    drifting = [g for g in problems if g.status == GOLDEN_DRIFT]
-    for g in drifting[:MAX_PLOTS]:
+        out.append(fold("Every golden cell", _cell_table(cells[:MAX_LISTED], names)))
+        if len(cells) > MAX_LISTED:
+            out.append(more_para(len(cells), MAX_LISTED, "golden cells", rep.details_file))
+    out += _missing_blocks([g for g in problems if g.status == GOLDEN_MISSING])
+    drawn = plotted(problems)
+    for g in drawn:
         out.append(Heading(3, f"Drift: {g.cell} ({g.platform}, run {g.case.run})"))
-        out.append(Para(f"`{g.case.test_id}` against `{g.path}`. The golden curve is grey, the run's red; "
-                        "the last panel is the relative drift per step (log scale), the dashed line the tolerance."))
+        out.append(Para(f"`{g.case.test_id}` against `{g.path}` ({g.compared}). The golden curve is grey, the "
+                        "run's red; the last panel is the relative drift per step (log scale), the dashed line the "
+                        "tolerance (the band, when compared within it)."))
         out.append(Chart("golden_plot", fallback=[_drift_detail(g)], data=g))
-    if len(drifting) > MAX_PLOTS:
-        out.append(Para(f"... and {len(drifting) - MAX_PLOTS} more drifting cells (see the table above)."))
+    drifting = sum(g.status == GOLDEN_DRIFT for g in problems)
+    if drifting > len(drawn):
+        out.append(Para(f"... and {drifting - MAX_PLOTS} more drifting cells (see the table above)."))
     return out
+
+
+def _missing_blocks(missing: list[GoldenCell]) -> list[Block]:
+    """The commands that make the missing golden files (the first ``MAX_LISTED``)."""
+    if not missing:
+        return []
+    return [Para("**Missing golden files**: make each with its command, review the printed values and "
+                 "commit the file (on the platform it is for):"),
+            Table(["cell", "platform", "command"],
+                  [[Code(g.cell), g.platform, Code(g.update_command)] for g in missing[:MAX_LISTED]])]
 
 
 def compat_blocks(rep: Report) -> list[Block]:
@@ -111,7 +147,7 @@ def compat_blocks(rep: Report) -> list[Block]:
         curve = "-" if r.golden is None else f"{_status(r.golden)}" + (
             f" ({r.golden.series[0].name} drift {drift_text(r.golden.series[0])})" if r.golden.series else "")
         rows.append([Code(r.fixture), r.check, r.case.run, r.case.outcome if r.ok else r.case.outcome.upper(), curve,
-                     "" if r.ok else Md(f"`{r.case.test_id}`: {one_line_cause(r.case)}")])
+                     "" if r.ok else Md(f"`{r.case.test_id}`: {one_line_cause(r.case, COMPAT_CAUSE_CHARS)}")])
     return out + [fold("Every checkpoint-compatibility test",
                        Table(["fixture", "check", "run", "outcome", "continued curve", "failure"], rows))]
 

@@ -28,6 +28,7 @@ import junitparser
 from harness.report.junit_format import AXIS_PROPERTY_PREFIX, NOT_RUN_TYPE, SYNTHESISED_PROPERTY
 from harness.report.junit_read import (
     ERROR,
+    NAMELESS_MESSAGE,
     NOT_RUN,
     OUTCOME_RANK,
     JunitError,
@@ -152,6 +153,8 @@ def build_run(label: str, source: str, xml: PytestXml | None, sidecar: Mapping[s
               gating: bool) -> Run:
     """Merge a run's JUnit and sidecar; add crash, not-run and missing cases."""
     cases = [to_case(c, suite_run_label(s, label)) for s in xml for c in s] if xml is not None else []
+    if sidecar is not None and sidecar.get("unfinished"):  # the sidecar names the interrupted test
+        cases = [c for c in cases if c.message != NAMELESS_MESSAGE]
     run_label = cases[0].run if cases else label
     run = Run(run_label, source, [], gating=gating, xml=xml)
     if sidecar is None:

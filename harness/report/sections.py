@@ -27,7 +27,7 @@ from harness.report.junit_read import (
 )
 from harness.report.regressions import RegressionRow, regression_rows
 from harness.report.runs import Run
-from harness.report.speed import SpeedView, speed_rule
+from harness.report.speed import SpeedView, speed_figures_rule, speed_rule
 from harness.report.verdict import Rule, notes, rules, verdict
 
 SLOWEST = 10
@@ -83,6 +83,7 @@ class Report:
     environment: list[tuple[str, list[str]]]  # (field, value per run)
     mutants: dict[str, Any] | None
     golden_mutants: dict[str, Any] | None = None  # the runner's --golden summary: the golden cells alone
+    details_file: str | None = None  # where the full failure and golden lists go (harness-signoff sets it)
 
     @property
     def gating_cases(self) -> list[TestCase]:
@@ -205,7 +206,8 @@ def build_report(title: str, runs: list[Run], required: dict[str, str], baseline
     rows = regression_rows(gating, required)
     golden = golden_cells(gating)
     compat = compat_rows(gating, golden)
-    extra = [golden_rule(golden), compat_rule(compat), *([speed_rule(speed)] if speed is not None else [])]
+    extra = [golden_rule(golden), compat_rule(compat),
+             *([speed_figures_rule(speed), speed_rule(speed)] if speed is not None else [])]
     rule_list = rules(runs, rows) + extra
     passed, reasons = verdict(rule_list)
     failures, per_rank = failure_rows(gating)

@@ -7,14 +7,14 @@ suites, which known bugs have a passing regression test, failures by rank, flaky
 reason, the slowest tests and buckets, and the environment. Written as Markdown (``report.md``), a
 self-contained HTML page with the matrix as a heat map (``report.html``) and JSON
 (``summary.json``); ``merged-junit.xml`` holds every run in one JUnit file, a crashed run's tests
-included; ``golden-plots/`` the SVG plots the Markdown links to. Exit codes: 0 PASS, 1 FAIL, 2
-unusable input.
+included; ``golden-plots/`` the SVG plots the Markdown links to. The long lists (failures, golden
+cells) are capped in the report and ``summary.json``; ``details.json`` next to them holds them all.
+Exit codes: 0 PASS, 1 FAIL, 2 unusable input.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 from collections.abc import Sequence
@@ -26,11 +26,12 @@ from harness.report.regressions import parse_required_regressions
 from harness.report.runs import Run, load_runs, merged_junit
 from harness.report.sections import Report, build_report, read_mutants, split_mutants
 from harness.report.speed import SpeedView, compare, find_baseline, read_baseline, read_bench
-from harness.report.summary import summary
+from harness.report.summary import details, dumps, summary
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 DEFAULT_TITLE = "QA sign-off report"
-OUT_FILES = {"md": "report.md", "html": "report.html", "json": "summary.json", "junit": "merged-junit.xml"}
+OUT_FILES = {"md": "report.md", "html": "report.html", "json": "summary.json", "junit": "merged-junit.xml",
+             "details": "details.json"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", type=pathlib.Path, metavar="FILE", help="write the Markdown report here")
     parser.add_argument("--html", type=pathlib.Path, metavar="FILE", help="write the HTML report here")
     parser.add_argument("--json", type=pathlib.Path, metavar="FILE", help="write summary JSON here")
+    parser.add_argument("--details", type=pathlib.Path, metavar="FILE",
+                        help="write every failure and golden cell (capped in the report) here; default: "
+                             "details.json next to the report")
     parser.add_argument("--title", default=DEFAULT_TITLE, help="report title")
     return parser
 
@@ -77,15 +81,27 @@ def _outputs(args: argparse.Namespace) -> dict[str, pathlib.Path]:
     out: dict[str, pathlib.Path] = {}
     if args.out_dir is not None:
         out = {kind: args.out_dir / name for kind, name in OUT_FILES.items()}
-    for kind, path in (("md", args.output), ("html", args.html), ("json", args.json)):
+    for kind, path in (("md", args.output), ("html", args.html), ("json", args.json), ("details", args.details)):
         if path is not None:
             out[kind] = path
+    if out and "details" not in out:  # the full lists go with the report, wherever it goes
+        first = next(out[k] for k in ("json", "html", "md") if k in out)
+        out["details"] = first.parent / OUT_FILES["details"]
     return out
+
+
+def _details_label(outputs: dict[str, pathlib.Path]) -> str | None:
+    """How the report names ``details.json``: its file name when it sits next to the report pages."""
+    path = outputs.get("details")
+    if path is None:
+        return None
+    pages = [outputs[k].parent for k in ("md", "html") if k in outputs]
+    return path.name if all(p.resolve() == path.parent.resolve() for p in pages) else str(path)
 
 
 def _write(outputs: dict[str, pathlib.Path], rep: Report, runs: list[Run]) -> None:
     texts = {"md": lambda: render_md.render(rep, with_assets=True), "html": lambda: render_html.render(rep),
-             "json": lambda: json.dumps(summary(rep), indent=1, default=str) + "\n"}
+             "json": lambda: dumps(summary(rep)), "details": lambda: dumps(details(rep), indent=None)}
     for kind, path in outputs.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         if kind == "junit":
@@ -132,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep = build_report(args.title, runs, required, baseline, sources, args.baseline or (), args.diff_limit, mutants,
                        speed, golden_mutants)
     outputs = _outputs(args)
+    rep.details_file = _details_label(outputs)
     if not outputs:
         sys.stdout.write(render_md.render(rep))
         return EXIT_PASS if rep.passed else EXIT_FAIL

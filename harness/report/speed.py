@@ -20,13 +20,20 @@ So 3 x 1.2 % = 3.6 %: twice the largest run-to-run difference of two ratios seen
 The bench writes JSON lines (``bench/suite.py --out suite.jsonl``): a ``meta`` row (world, fake,
 device, versions) and per measurement a ``cell`` row (size, impl, rep, tok_s_per_gpu, peak_gib);
 ``skip``/``error`` rows are ignored. The baseline format is in ``bench/baselines/README.md``;
-``python -m harness.report.speed make-baseline`` writes one from bench results. Standard library only.
+``python -m harness.report.speed_baseline`` writes one from bench results. Standard library only.
+
+Every figure must be a number that can be compared: a throughput (``tok_s_per_gpu``, ours or the
+reference, in the result or the baseline) or a baseline ratio that is NaN, infinite, zero or
+negative fails the sign-off's figures rule by name (NaN fails both threshold comparisons, so it
+would otherwise read as "ok"; a zero reference would divide by zero), and its row is INVALID;
+peak memory and spreads must be finite and not negative.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import statistics
 from collections.abc import Sequence
@@ -34,7 +41,7 @@ from typing import Any
 
 from harness.gpu_generation import generation_of
 from harness.report.junit_read import JunitError
-from harness.report.verdict import Rule
+from harness.report.verdict import Rule, figures_rule
 
 FORMAT = 1
 REFERENCE = "fsdp2"
@@ -42,6 +49,7 @@ SPREAD_FACTOR = 3.0
 DEFAULT_SPREAD = 0.012
 MEMORY_TOLERANCE = 0.02
 SLOWER, FASTER, OK, NOT_MEASURED, NEW, REF = "SLOWER", "faster", "ok", "NOT MEASURED", "new (no baseline)", "reference"
+INVALID = "INVALID"  # a figure of the cell (or of its reference) is not a finite positive number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +63,8 @@ class BenchCell:
     peak_gib: float
     ratio: float | None  # median tokens/s over the reference's median, same run
     rep_ratios: tuple[float, ...] = ()  # per repetition in which both ran
+    problems: tuple[str, ...] = ()  # its own figures that are not finite and positive
+    reference_invalid: bool = False  # the reference's figures at this size are not: no ratio
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +101,31 @@ class SpeedView:
     threshold_source: str
     problems: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    bad_figures: list[str] = dataclasses.field(default_factory=list)  # the figures rule's evidence
+    figures_checked: str = ""  # what the figures rule looked at, for its evidence
+
+
+def positive(value: object) -> bool:
+    """A finite number above 0 (a throughput, a ratio)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def not_negative(value: object) -> bool:
+    """A finite number, 0 or above (a peak memory, a spread)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _row_problems(size: str, impl: str, rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The figures of one (size, impl)'s bench rows that cannot be compared, each named."""
+    out = []
+    for i, r in enumerate(rows):
+        where = f"bench result: {impl} at {size} rep {r.get('rep', i + 1)}"
+        tok, peak = float(r["tok_s_per_gpu"]), float(r["peak_gib"])
+        if not positive(tok):
+            out.append(f"{where}: tok_s_per_gpu is {tok!r} (must be finite and above 0)")
+        if not not_negative(peak):
+            out.append(f"{where}: peak_gib is {peak!r} (must be finite and not negative)")
+    return out
 
 
 def _rows(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -106,21 +141,25 @@ def _rows(path: pathlib.Path) -> list[dict[str, Any]]:
 
 
 def summarise(rows: Sequence[dict[str, Any]], reference: str = REFERENCE) -> list[BenchCell]:
-    """One cell per (size, impl) measured, as ``bench/report.py`` summarises them."""
+    """One cell per (size, impl) measured, as ``bench/report.py`` summarises them; a ratio only
+    where both throughputs are finite and positive (never a division by zero or NaN)."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
         if r.get("kind") == "cell":
             groups.setdefault((str(r["size"]), str(r["impl"])), []).append(r)
     medians = {k: statistics.median(float(r["tok_s_per_gpu"]) for r in rs) for k, rs in groups.items()}
     by_rep = {k: {r.get("rep", i): float(r["tok_s_per_gpu"]) for i, r in enumerate(rs)} for k, rs in groups.items()}
+    problems = {k: _row_problems(*k, rs) for k, rs in groups.items()}
     cells = []
     for (size, impl), rs in groups.items():
-        ref = (size, reference)
-        ratio = medians[(size, impl)] / medians[ref] if ref in medians else None
-        pairs = tuple(v / by_rep[ref][rep] for rep, v in sorted(by_rep[(size, impl)].items())
-                      if ref in by_rep and rep in by_rep[ref])
-        cells.append(BenchCell(size, impl, len(rs), medians[(size, impl)], max(float(r["peak_gib"]) for r in rs),
-                               ratio, pairs))
+        key, ref = (size, impl), (size, reference)
+        ref_ok = ref in groups and not problems[ref]
+        ok = ref_ok and not problems[key]
+        ratio = medians[key] / medians[ref] if ok else None
+        pairs = tuple(v / by_rep[ref][rep] for rep, v in sorted(by_rep[key].items())
+                      if rep in by_rep[ref]) if ok else ()
+        cells.append(BenchCell(size, impl, len(rs), medians[key], max(float(r["peak_gib"]) for r in rs), ratio,
+                               pairs, tuple(problems[key]), ref in groups and not ref_ok and impl != reference))
     return cells
 
 
@@ -173,22 +212,50 @@ def find_baseline(directory: str | pathlib.Path, result: BenchResult) -> pathlib
     return path
 
 
+def baseline_problems(baseline: dict[str, Any]) -> dict[tuple[str, str], list[str]]:
+    """Per baseline cell (and ``("", "")`` for the file), its figures that cannot be compared."""
+    out: dict[tuple[str, str], list[str]] = {}
+    if baseline.get("spread") is not None and not not_negative(baseline["spread"]):
+        out[("", "")] = [f"baseline: spread is {baseline['spread']!r} (must be finite and not negative)"]
+    for cell in baseline["cells"]:
+        size, impl = str(cell["size"]), str(cell["impl"])
+        where, bad = f"baseline: {impl} at {size}", []
+        if not positive(cell.get("tok_s_per_gpu")):
+            bad.append(f"{where}: tok_s_per_gpu is {cell.get('tok_s_per_gpu')!r} (must be finite and above 0)")
+        if cell.get("ratio") is not None and not positive(cell["ratio"]):
+            bad.append(f"{where}: ratio is {cell['ratio']!r} (must be finite and above 0)")
+        for key in ("peak_gib", "spread"):
+            if cell.get(key) is not None and not not_negative(cell[key]):
+                bad.append(f"{where}: {key} is {cell[key]!r} (must be finite and not negative)")
+        if bad:
+            out[(size, impl)] = bad
+    return out
+
+
 def _threshold(cell: dict[str, Any], baseline: dict[str, Any], override: float | None) -> float:
     """``SPREAD_FACTOR`` x the cell's (else the file's) measured spread, never below
     ``DEFAULT_SPREAD``: two or three runs easily show a half-range smaller than the noise three
-    runs of unchanged code showed on the H200 (1.2 %), and a threshold built on it flags noise."""
+    runs of unchanged code showed on the H200 (1.2 %), and a threshold built on it flags noise.
+    A spread that is not a finite number is skipped (the figures rule names it)."""
     if override is not None:
         return override
-    spread = cell.get("spread") or baseline.get("spread") or DEFAULT_SPREAD
-    return SPREAD_FACTOR * max(float(spread), DEFAULT_SPREAD)
+    spreads = [v for v in (cell.get("spread"), baseline.get("spread")) if not_negative(v) and v]
+    return SPREAD_FACTOR * max(float(spreads[0]) if spreads else DEFAULT_SPREAD, DEFAULT_SPREAD)
 
 
 def _relative(now: float | None, base: float | None) -> float | None:
     return None if now is None or not base else now / base - 1.0
 
 
-def _row(base: dict[str, Any], now: BenchCell | None, reference: str, threshold: float) -> SpeedRow:
+def _invalid(now: BenchCell | None, base_bad: Sequence[str]) -> bool:
+    return bool(base_bad) or (now is not None and (bool(now.problems) or now.reference_invalid))
+
+
+def _row(base: dict[str, Any], now: BenchCell | None, reference: str, threshold: float,
+         base_bad: Sequence[str] = ()) -> SpeedRow:
     size, impl = str(base["size"]), str(base["impl"])
+    if _invalid(now, base_bad):
+        return SpeedRow(size, impl, base, now, None, threshold, None, INVALID)
     memory = _relative(now.peak_gib, base.get("peak_gib")) if now else None
     if impl == reference:
         return SpeedRow(size, impl, base, now, None, threshold, memory, REF if now else NOT_MEASURED)
@@ -217,33 +284,53 @@ def _comparable(result: BenchResult, baseline: dict[str, Any]) -> tuple[list[str
     return problems, notes
 
 
+def _figures(result: BenchResult, baseline_bad: dict[tuple[str, str], list[str]]) -> list[str]:
+    return [p for c in result.cells for p in c.problems] + [p for ps in baseline_bad.values() for p in ps]
+
+
+def _row_problem(row: SpeedRow, reference: str) -> str | None:
+    if row.status == SLOWER and row.change is not None:
+        return f"{row.impl} at {row.size}: {row.change:+.1%} vs {reference} (threshold -{row.threshold:.1%})"
+    if row.status == NOT_MEASURED:
+        return f"{row.impl} at {row.size}: not measured (or no {reference} to compare with)"
+    if row.status == INVALID:
+        return f"{row.impl} at {row.size}: not compared (a figure of it or of {reference} is not finite and positive)"
+    return None
+
+
 def compare(result: BenchResult, baseline: dict[str, Any], baseline_path: str,
             threshold: float | None = None) -> SpeedView:
     """Every baseline cell against the result; cells the result adds are listed as new."""
     reference = str(baseline.get("reference", REFERENCE))
-    rows = [_row(b, result.cell(str(b["size"]), str(b["impl"])), reference, _threshold(b, baseline, threshold))
-            for b in baseline["cells"]]
+    base_bad = baseline_problems(baseline)
+    rows = [_row(b, result.cell(str(b["size"]), str(b["impl"])), reference, _threshold(b, baseline, threshold),
+                 base_bad.get((str(b["size"]), str(b["impl"])), ())) for b in baseline["cells"]]
     known = {(str(b["size"]), str(b["impl"])) for b in baseline["cells"]}
-    rows += [SpeedRow(c.size, c.impl, None, c, None, 0.0, None, NEW) for c in result.cells
-             if (c.size, c.impl) not in known]
-    spread = (f"the baseline's {float(baseline['spread']):.1%}" if baseline.get("spread") else
-              f"none measured: the default {DEFAULT_SPREAD:.1%}")
+    rows += [SpeedRow(c.size, c.impl, None, c, None, 0.0, None, INVALID if _invalid(c, ()) else NEW)
+             for c in result.cells if (c.size, c.impl) not in known]
+    spread = (f"the baseline's {float(baseline['spread']):.1%}" if not_negative(baseline.get("spread"))
+              and baseline.get("spread") else f"none measured: the default {DEFAULT_SPREAD:.1%}")
     source = (f"--bench-threshold {threshold:g}" if threshold is not None else
               f"{SPREAD_FACTOR:g} x the measured run-to-run spread of the ratio (a cell's own where it has one, "
               f"else {spread})")
     problems, notes = _comparable(result, baseline)
-    view = SpeedView(result.path, baseline_path, baseline, result.meta, rows, source, problems, notes)
+    view = SpeedView(result.path, baseline_path, baseline, result.meta, rows, source, problems, notes,
+                     _figures(result, base_bad), f"{sum(c.reps for c in result.cells)} bench row(s) and "
+                     f"{len(baseline['cells'])} baseline cell(s)")
     for row in rows:
-        if row.status == SLOWER and row.change is not None:
-            view.problems.append(f"{row.impl} at {row.size}: {row.change:+.1%} vs {reference} "
-                                 f"(threshold -{row.threshold:.1%})")
-        elif row.status == NOT_MEASURED:
-            view.problems.append(f"{row.impl} at {row.size}: not measured (or no {reference} to compare with)")
+        problem = _row_problem(row, reference)
+        if problem:
+            view.problems.append(problem)
         if row.memory_change is not None and row.memory_change > MEMORY_TOLERANCE:
             view.notes.append(f"{row.impl} at {row.size}: peak memory {row.memory_change:+.1%}")
     if not any(r.status in (OK, FASTER, SLOWER) for r in rows):
         view.problems.append("no implementation could be compared with the baseline")
     return view
+
+
+def speed_figures_rule(view: SpeedView) -> Rule:
+    """Every throughput, ratio, peak and spread of the bench result and its baseline is a usable number."""
+    return figures_rule(view.bad_figures, view.figures_checked)
 
 
 def speed_rule(view: SpeedView) -> Rule:

@@ -60,6 +60,10 @@ def make_baseline(results: Sequence[BenchResult], gen: str, note: str = "", git:
     """The baseline document for ``gen`` from ``results`` (runs of the same code and configuration)."""
     if not results or not any(r.cells for r in results):
         raise JunitError("no measured cell in the bench results")
+    bad = [p for r in results for c in r.cells for p in c.problems]
+    if bad:
+        raise JunitError("a baseline needs finite, positive figures: " + "; ".join(bad[:5])
+                         + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
     meta = results[0].meta
     keys = list(dict.fromkeys((c.size, c.impl) for r in results for c in r.cells))
     cells = [_cell(size, impl, results) for size, impl in keys]

@@ -2,6 +2,11 @@
 
 Only gating runs count (tests of ``flaky/`` scripts are reported, never gating). A run in which
 nothing ran is not a PASS: skips are honest, but a sign-off needs tests that ran and passed.
+
+The rules, in the report's order: ``rules`` below (tests ran, every run ran, no failures, nothing
+left unrun, required regressions, no mutant), then golden values and checkpoint compatibility
+(``golden_view``), and with a bench result the figures rule (``figures_rule``: every figure is
+finite and positive) and speed vs baseline (``speed``).
 """
 
 from __future__ import annotations
@@ -87,6 +92,22 @@ def notes(runs: Sequence[Run]) -> list[str]:
         n = sum(len(r.cases) for r in quarantined)
         out.append(f"{len(quarantined)} flaky-script run(s) with {n} test(s) reported, not gating")
     return out
+
+
+FIGURES_RULE = "figures finite and positive"
+FIGURES_LISTED = 5  # bad figures named in the evidence; the speed section's rows show every one
+
+
+def figures_rule(bad: Sequence[str], checked: str) -> Rule:
+    """Every figure a comparison uses is a number it can use: NaN fails every threshold comparison
+    (a NaN throughput would read as within the threshold), zero divides by zero, a negative
+    throughput is nonsense. ``bad`` names each offending figure; ``checked`` says what was looked at."""
+    shown = "; ".join(bad[:FIGURES_LISTED]) + (f"; and {len(bad) - FIGURES_LISTED} more" if len(bad) > FIGURES_LISTED
+                                                  else "")
+    return Rule(FIGURES_RULE, "every figure is finite and positive: each throughput (tok_s_per_gpu, ours and the "
+                "reference) of the bench result and its baseline, and the baseline's ratios; peak memory and "
+                "spreads finite and not negative (only when a bench result is given)", not bad,
+                shown or f"{checked}: all finite and positive")
 
 
 def verdict(rule_list: Sequence[Rule]) -> tuple[bool, list[str]]:

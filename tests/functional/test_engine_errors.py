@@ -171,3 +171,92 @@ def test_mixed_dtype_unit_rejected(dist_env) -> None:
     module.head.half()
     with pytest.raises(ValueError, match=r"FSDP unit '<root>' mixes parameter dtypes"):
         fully_shard_model(module)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1 = nn.Linear(8, 8)
+        self.lin2 = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin2(self.lin1(x)))
+
+
+class _Net(nn.Module):
+    """Two ``_Block`` units (each two Linear submodules) and a root Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(_Block(), _Block())
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(x))
+
+
+@pytest.mark.parametrize("fine_grained", [False, True], ids=["per_unit_gather", "fine_grained"])
+@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.matrix(zero=matrix.param("zero", axes.zero))
+def test_unit_submodule_called_outside_its_unit(zero, fine_grained, dist_env) -> None:
+    """A module holding a unit's params, called on its own (its params are the sharded DTensors
+    then), gets an error naming it, its unit and what to do, with or without fine-grained gather
+    (without, torch's ``aten.addmm.default got mixed torch.Tensor and DTensor`` came through);
+    the refused calls change nothing."""
+    torch.manual_seed(0)
+    model = fully_shard_model(_Net(), fsdp_unit_modules=[_Block], zero_dp_strategy=zero,
+                              enable_fine_grained_param_gather=fine_grained)
+    x = torch.randn(3, 8)
+    before = model(x).detach().clone()
+    with pytest.raises(RuntimeError, match=r"^Linear holds params of FSDP unit 'blocks\.1' but ran outside that unit's "
+                                           r"forward: module 'blocks\.1\.lin2' was called while its params are sharded "
+                                           r"DTensors; call it from the unit's forward \(run 'blocks\.1' itself\), or "
+                                           r"make it a unit of its own \(add its class to fsdp_unit_modules"):
+        model.module.blocks[1].lin2(x)
+    with pytest.raises(RuntimeError, match=r"^Linear holds params of FSDP unit '<root>' but ran outside that unit's "
+                                           r"forward: module 'out' .*call it from the forward of the model "
+                                           r"fully_shard returned"):
+        model.module.out(x)
+    assert torch.equal(model(x), before), "a refused call must leave the model as it was"
+    model(x).sum().backward()  # and it still trains
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def _plain_state(net: nn.Module) -> dict:
+    """What a failed wrap must not change: the parameter objects, their values, every hook."""
+    return {"params": [(n, p, p.to_local().clone() if hasattr(p, "to_local") else p.detach().clone())
+                       for n, p in net.named_parameters()],
+            "hooks": [(n, len(m._forward_pre_hooks), len(m._forward_hooks)) for n, m in net.named_modules()]}
+
+
+@pytest.mark.parametrize("how", ["fully_shard_opt_before", "fully_shard_opt_after", "fully_shard_model"])
+@pytest.mark.matrix(zero="optim_grads_params")
+def test_wrapping_a_child_unit_then_its_parent(how, dist_env) -> None:
+    """fully_shard on a submodule, then on the module holding it: the error names the module
+    wrapped twice and what to do (it named the optimizer when the optimizer was built before the
+    first wrap), raised before anything changes: the first wrap trains on as before."""
+    torch.manual_seed(0)
+    net = _Net()
+    opt_all = torch.optim.Adam(net.parameters(), lr=1e-2)  # built on the original params
+    child, child_opt = fully_shard(net.blocks[0], torch.optim.Adam(net.blocks[0].parameters(), lr=1e-2))
+    x = torch.randn(3, 8)
+    before = child(x).detach().clone()
+    state = _plain_state(net)
+    expected = (r"its submodule 'blocks\.0' \(_Block\) was wrapped by an earlier call \(its parameter "
+                r"'blocks\.0\.lin1\.weight' is a shard owned by that model\), and a module cannot be wrapped twice; "
+                r"wrap once, at the top: fully_shard the whole model with fsdp_unit_modules=\[_Block, \.\.\.\]")
+    with pytest.raises(ValueError, match=expected):
+        if how == "fully_shard_opt_before":
+            fully_shard(net, opt_all)
+        elif how == "fully_shard_opt_after":
+            fully_shard(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+        else:
+            fully_shard_model(net)
+    after = _plain_state(net)
+    assert after["hooks"] == state["hooks"], "the failed wrap registered or removed hooks"
+    for (name, p, value), (name2, p2, value2) in zip(state["params"], after["params"], strict=True):
+        assert name == name2 and p is p2 and torch.equal(value, value2), f"the failed wrap changed {name}"
+    assert torch.equal(child(x), before)
+    child(x).square().sum().backward()
+    child_opt.step()
+    assert not torch.equal(child(x), before), "the first wrap still trains"

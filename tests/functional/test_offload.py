@@ -337,3 +337,51 @@ def test_offload_errors_name_the_field(dist_env) -> None:
     mine = policy("cpu" if dist.get_rank() == 0 else "gpu", device)
     with window(device), pytest.raises(ValueError, match=r"(?s)different arguments.*offload_policy differs"):
         wrap(offload_policy=mine)
+
+
+# ------------------------------------------------------------------ the streaming window
+@pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params", offload="gpu")
+def test_oversized_chunk_bytes_trains_like_no_offload(dist_env) -> None:
+    """chunk_bytes=2**50 used to make the first step ask the allocator for 3 x 2**50 bytes; the
+    window now holds one chunk of exactly what the step streams (a chunk never exceeds it), and
+    the run is bit-identical to no offload."""
+    device = dist_env.device
+    ref_losses, ref_final, _, _ = train("gpt", device, dict(zero_dp_strategy=3))
+    big = fsdp_impl.OffloadPolicy(step="gpu", chunk_bytes=2**50, pin_memory=device.type == "cuda")
+    with window(device):
+        losses, final, model, opt = train("gpt", device, dict(zero_dp_strategy=3, offload_policy=big))
+    _compare("gpu", losses, ref_losses, final, ref_final, "chunk_bytes=2**50")
+    core = opt.__dict__["_fsdp_offload_step"].core
+    streamed = sum(p.to_local().numel() for p in model.parameters()) * 16  # param, grad, 2 moments: fp32
+    assert len(core.last_plan) == 1 and core.last_window_bytes == streamed
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.matrix(mesh=axes.mesh(2), zero="optim_grads_params", model="cnn", offload="gpu")
+def test_window_that_cannot_fit_is_refused_at_wrap_time(dist_env, monkeypatch) -> None:
+    """A window larger than one rank's free memory is refused at wrap time on every rank with
+    the same error (the other rank must not wait in the wrap's next collective), naming
+    OffloadPolicy.chunk_bytes, the bytes needed on that rank and its free bytes; the module is
+    left as it was. Here rank 1 reports 1000 free bytes."""
+    import fsdp_impl.offload as offload
+    device, rank = dist_env.device, dist.get_rank()
+    free = 1000
+    real = offload.free_memory
+    monkeypatch.setattr(offload, "free_memory", lambda d: free if rank == 1 else real(d))
+    module = build_model("cnn", seed=0)
+    params = [(p, p.detach().clone()) for p in module.parameters()]
+    # independent count: rank 1's torch.chunk rows of every param (all trainable), one chunk
+    # (the default 64 MiB is more than the model), 4 bytes of param + 4 of grad + at least
+    # 1 + 1 of the two moments (the narrowest a streamed Adam may keep) per element
+    needed = sum(torch.chunk(p.detach(), 2)[1].numel() if len(torch.chunk(p.detach(), 2)) > 1 else 0
+                 for p in module.parameters()) * 10
+    assert needed > free
+    with window(device), pytest.raises(ValueError, match=rf"^OffloadPolicy\.chunk_bytes=67108864 needs a streaming "
+                                                         rf"window of {needed} bytes .* only {free} bytes .* are free "
+                                                         r"on rank 1; pass a smaller OffloadPolicy\.chunk_bytes$"):
+        fsdp_impl.fully_shard(module, torch.optim.Adam(module.parameters(), lr=1e-2),
+                              fsdp_unit_modules=list(unit_classes("cnn")),
+                              offload_policy=fsdp_impl.OffloadPolicy(pin_memory=device.type == "cuda"))
+    assert [p for p, _ in params] == list(module.parameters())
+    assert all(type(p) is torch.nn.Parameter and torch.equal(p, value) for p, value in params)

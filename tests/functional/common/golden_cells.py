@@ -5,7 +5,13 @@ Each cell trains ``STEPS`` steps and records per step: the loss (mean over the d
 ranks), the global grad norm (``fsdp_impl.clip_grad_norm`` at ``CLIP``, which also clips), and a
 checksum of the parameters (the global sum of squares of every full parameter, in float64). Every
 rank computes the same numbers (they are reduced), so the comparison is the same on every rank.
-Runs use one intra-op thread, so a CPU result does not depend on the machine's core count.
+Runs use one intra-op thread, so a CPU result does not depend on the machine's core count, and
+the golden tests run them with pinned numerics (``harness.numerics``), so CPU results do not
+depend on the machine's CPU either. For that, CPU cells step with torch's *fused* Adam(W): the
+default Adam's ``sqrt`` runs in MKL's vector math library, whose bits follow the CPU (the one cell
+with the precision-aware AdamW, ``zero3_decoupled_adamw``, still calls it: its fingerprint names the
+CPU kind, so on another kind it is compared within its band). bf16 models are built in fp32 and
+cast, so a torch release that changes the bf16 random path does not change them.
 
 Together the cells cover the matrix axes: ZeRO 0-3, HSDP and HFSDP, CP and TP meshes, bf16
 compute with fp32 main params, decoupled grads with the precision-aware AdamW (bf16 moments),
@@ -18,10 +24,11 @@ bit-identical to eager init); ``zero2_layer_drop`` skips a block in every third 
 drop: a ZeRO-1/2 refresh gather prefetched for a unit that did not run must not be used after the
 next step); ``zero3_hand_grad`` zeroes grads with ``set_to_none=False`` and adds a hand-written
 weight-decay gradient into ``.grad`` before each backward (the reduction must add to it, not
-overwrite it); ``zero1_fused_adam`` steps with torch's fused Adam, which bumps no version counter
-(the engine must still learn that the weights changed); ``zero3_offload`` keeps optimizer state
-and main params in host memory and streams the step in small chunks (``OffloadPolicy(step="gpu")``,
-on a CPU mesh through ``stream_on_cpu_for_tests``: every chunk's update must reach the host).
+overwrite it); ``zero1_fused_adamw`` steps with torch's fused AdamW and weight decay (a fused
+kernel bumps no version counter: the engine must still learn that the weights changed);
+``zero3_offload`` keeps optimizer state and main params in host memory and streams the step in
+small chunks (``OffloadPolicy(step="gpu")``, on a CPU mesh through ``stream_on_cpu_for_tests``:
+every chunk's update must reach the host).
 """
 from __future__ import annotations
 
@@ -50,6 +57,7 @@ CLIP = 1.0
 LOCAL_BATCH = 2
 LR = 1e-2
 HAND_DECAY = 1e-2  # zero3_hand_grad: the weight-decay gradient added into .grad by hand
+WEIGHT_DECAY = 1e-2  # zero1_fused_adamw
 OFFLOAD_CHUNK_BYTES = 4096  # small, so the tiny model's streamed step has several chunks
 # A deliberate learning-rate perturbation for the whole run (e.g. ``1.000001``): the sign-off's
 # acceptance test proves a 1e-6 change drifts. Never honoured under --golden-update (it would write
@@ -68,8 +76,10 @@ class Cell:
     mesh: tuple[int, int, int, int] | None = None
     outer: str | None = None
     dtype: torch.dtype = torch.float32  # compute dtype (main params and grads stay fp32)
-    optimizer: str = "adam"  # "adam"/"adam_fused": torch Adam; "adamw_decoupled": fsdp_impl AdamW, decoupled
-    # grads, bf16 moments
+    # "adam_fused" / "adamw_fused": torch's fused Adam / AdamW (weight decay ``WEIGHT_DECAY``); "adam": torch's
+    # default Adam (GPU cells: on CPU its sqrt runs in MKL VML, whose bits follow the CPU, see harness.numerics);
+    # "adamw_decoupled": fsdp_impl AdamW, decoupled grads, bf16 moments
+    optimizer: str = "adam_fused"
     recipe: str | None = None  # FP8 recipe (model "fp8": torch-native; "te": TransformerEngine's)
     meta_init: bool = False  # build on the meta device, materialised shard by shard (model "gpt")
     hand_grad: bool = False  # zero_grad(set_to_none=False), then a gradient added into .grad by hand
@@ -91,7 +101,7 @@ CELLS = (
     Cell("zero3_meta_init", 2, meta_init=True),
     Cell("zero2_layer_drop", 2, zero=2, model="gpt_layer_drop"),
     Cell("zero3_hand_grad", 2, hand_grad=True),
-    Cell("zero1_fused_adam", 2, zero=1, optimizer="adam_fused"),
+    Cell("zero1_fused_adamw", 2, zero=1, optimizer="adamw_fused"),
     Cell("zero3_offload", 2, offload="gpu"),
     Cell("fp8_current", 2, model="fp8", recipe="current"),
     Cell("fp8_delayed", 2, model="fp8", recipe="delayed"),
@@ -104,15 +114,23 @@ CELLS = (
 )
 # One GPU (world 1): the same engine paths on CUDA/NCCL, plus TransformerEngine FP8 parameters.
 GPU_CELLS = (
-    Cell("gpu_zero3", 1),
-    Cell("gpu_zero3_bf16", 1, dtype=torch.bfloat16),
-    Cell("gpu_zero2", 1, zero=2),
-    Cell("gpu_zero3_recompute", 1, model="recompute"),
-    Cell("gpu_fp8_current", 1, model="fp8", recipe="current"),
-    Cell("gpu_te_current", 1, model="te", recipe="current"),
-    Cell("gpu_te_block", 1, model="te", recipe="block"),
-    Cell("gpu_te_delayed", 1, model="te", recipe="delayed"),
+    Cell("gpu_zero3", 1, optimizer="adam"),
+    Cell("gpu_zero3_bf16", 1, dtype=torch.bfloat16, optimizer="adam"),
+    Cell("gpu_zero2", 1, zero=2, optimizer="adam"),
+    Cell("gpu_zero3_recompute", 1, model="recompute", optimizer="adam"),
+    Cell("gpu_fp8_current", 1, model="fp8", recipe="current", optimizer="adam"),
+    Cell("gpu_te_current", 1, model="te", recipe="current", optimizer="adam"),
+    Cell("gpu_te_block", 1, model="te", recipe="block", optimizer="adam"),
+    Cell("gpu_te_delayed", 1, model="te", recipe="delayed", optimizer="adam"),
 )
+
+
+def band_dtype(cell: Cell) -> str:
+    """The precision a cell's numbers have, for its golden band's floor: ``fp8`` for FP8 models,
+    else its compute dtype (``fp32``, ``bf16``)."""
+    if cell.model in ("fp8", "te"):
+        return "fp8"
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[cell.dtype]
 
 
 class LayerDropGPT(SmallGPT):
@@ -146,7 +164,8 @@ def _build(cell: Cell, device: torch.device) -> tuple[nn.Module, list[type[nn.Mo
         def fp8_batch(step: int, slot: int, slots: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
             x, y = fp8_training.batch(step, slot, 0)
             return (x,), y
-        return fp8_training.build(cell.recipe), [fp8_training.Fp8Block], fp8_batch, fp8_training.loss_fn
+        model = fp8_training.build(cell.recipe, init_dtype=torch.float32)
+        return model, [fp8_training.Fp8Block], fp8_batch, fp8_training.loss_fn
     if cell.model == "te":
         from . import te_fp8
 
@@ -181,6 +200,8 @@ def _optimizer(cell: Cell, params: Any) -> tuple[torch.optim.Optimizer, dict[str
         opt = fsdp_impl.optim.AdamW(params, lr=LR, use_decoupled_grad=True, exp_avg_dtype=torch.bfloat16,
                                     exp_avg_sq_dtype=torch.bfloat16)
         return opt, {"use_decoupled_grad": True}
+    if cell.optimizer == "adamw_fused":
+        return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True), {}
     return torch.optim.Adam(params, lr=LR, fused=cell.optimizer == "adam_fused" or None), {}
 
 

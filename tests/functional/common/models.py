@@ -214,11 +214,13 @@ MODELS = {
 
 def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
                 device: str | None = None, **kwargs) -> nn.Module:
-    """Build model ``name`` with ``torch.manual_seed(seed)`` (``device="meta"`` for meta init)."""
+    """Build model ``name`` with ``torch.manual_seed(seed)`` (``device="meta"`` for meta init).
+    An eager model of another dtype is initialised in fp32 and cast, so its weights do not depend
+    on torch's random path for that dtype (a torch release may change bf16 sampling)."""
     cls, _ = MODELS[name]
     torch.manual_seed(seed)
     if device is None:
-        return cls(dtype=dtype, **kwargs)
+        return cls(dtype=dtype, **kwargs) if dtype == torch.float32 else cls(**kwargs).to(dtype)
     with torch.device(device):
         return cls(dtype=dtype, **kwargs)
 

@@ -260,9 +260,70 @@ def test_stream_order_is_recorded_h2d_then_step_then_d2h() -> None:
 
 
 def test_capacity_follows_the_streamed_bytes_per_element() -> None:
-    entries, _ = _entries([10])
-    bf16 = StreamEntry(0, {"param": torch.zeros(4), "exp_avg": torch.zeros(4, dtype=torch.bfloat16)})
+    entries, _ = _entries([10_000])
+    bf16 = StreamEntry(0, {"param": torch.zeros(4000), "exp_avg": torch.zeros(4000, dtype=torch.bfloat16)})
     assert StreamedStep(CPU, {"param", "exp_avg"}, 6000, False, StepStreams.recording()).capacity([bf16]) == 1000
     assert StreamedStep(CPU, {"param"}, 4096, False, StepStreams.recording()).capacity(entries) == 1024
     assert StreamedStep(CPU, {"param", "grad", "exp_avg", "exp_avg_sq"}, MIN_CHUNK_BYTES, False,
                         StepStreams.recording()).capacity(entries) == max(ALIGN, MIN_CHUNK_BYTES // 16)
+
+
+def test_capacity_is_at_most_what_the_step_streams() -> None:
+    """A chunk larger than all the step's elements would only hold window memory nothing is
+    copied into: capacity stops at the step's element count (and never goes below ALIGN)."""
+    entries, _ = _entries(NUMELS)
+    assert StreamedStep(CPU, {"param"}, 2**50, False, StepStreams.recording()).capacity(entries) == sum(NUMELS)
+    tiny, _ = _entries([5, 7])
+    assert StreamedStep(CPU, {"param"}, 2**50, False, StepStreams.recording()).capacity(tiny) == ALIGN
+
+
+KINDS = {"param", "grad", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("chunk_bytes,chunks,slots", [(2**50, 1, 1), (2**40, 1, 1), (2200 * 16, 2, 2),
+                                                      (CHUNK_BYTES, 7, 3)])
+def test_window_holds_only_the_chunks_the_step_has(chunk_bytes: int, chunks: int, slots: int) -> None:
+    """OffloadPolicy(chunk_bytes=2**50) made the first step allocate 3 x 2**50 bytes (torch's
+    allocator error, naming neither the field nor offload). The window now holds min(3, chunks)
+    chunks of at most the step's elements; the plan, and so every number, is the one an exact
+    chunk size gives: bit-identical to the unchunked step."""
+    entries, flats = _entries(NUMELS)
+    expected = _unchunked(entries, flats)
+    step = StreamedStep(CPU, KINDS, chunk_bytes, False, StepStreams.recording())
+    step.run(entries, _adam_kernel)
+    capacity = step.capacity(entries)
+    assert len(step.last_plan) == chunks
+    assert step.last_window_bytes == slots * capacity * 16, "4 streamed fp32 kinds: 16 bytes per element"
+    assert step.last_window_bytes <= 3 * chunk_bytes
+    for kind in KINDS:
+        assert torch.equal(flats[kind], expected[kind]), f"{kind} differs from the unchunked step"
+
+
+def test_window_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exact window is checked against the device's free memory once, before the first
+    allocation: the error names OffloadPolicy.chunk_bytes, the bytes needed and the bytes free,
+    and nothing was copied or stepped."""
+    import fsdp_impl.offload_step as offload_step
+    entries, flats = _entries(NUMELS)
+    before = {k: f.clone() for k, f in flats.items()}
+    needed = 3 * 512 * 16  # CHUNK_BYTES = 512 elements x 16 bytes, 7 chunks: all 3 slots
+    monkeypatch.setattr(offload_step, "free_memory", lambda device: needed - 1)
+    step = StreamedStep(CPU, KINDS, CHUNK_BYTES, False, StepStreams.recording())
+    with pytest.raises(ValueError, match=rf"^OffloadPolicy\.chunk_bytes={CHUNK_BYTES} needs a streaming window of "
+                                         rf"{needed} bytes .* but only {needed - 1} bytes .* of host memory are free; "
+                                         r"pass a smaller OffloadPolicy\.chunk_bytes$"):
+        step.run(entries, _adam_kernel)
+    assert all(torch.equal(flats[k], before[k]) for k in flats), "a refused step must not touch the state"
+    monkeypatch.setattr(offload_step, "free_memory", lambda device: needed)
+    step.run(entries, _adam_kernel)  # exactly enough: runs
+    assert step.last_window_bytes == needed
+
+
+def test_free_memory_of_the_host_is_a_plausible_figure() -> None:
+    """The limit the window is checked against: positive and at most the machine's RAM."""
+    import os
+
+    from fsdp_impl.device import free_memory
+    free = free_memory(CPU)
+    assert free is not None and 0 < free <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert free_memory(torch.device("meta")) is None

@@ -1,16 +1,14 @@
-"""Which directory of golden files a run compares with (``harness.golden.resolve_platform``): a
-CPU kind's own files where the golden directory has them, else ``cpu``; an explicit platform as
-given. Kinds exist because CPU kernels differ between kinds (measured: 1e-7..5e-3 relative drift
-of the same code between an AVX-512 and an AVX2 AMD machine), so one set of bit-exact CPU files
-cannot hold for every CI machine."""
+"""Which directory of golden files a run compares with (``harness.golden.detect_platform``): ``cpu``
+for every CPU (pinned numerics make CPU bits portable, and a run whose fingerprint differs is
+compared within the file's band), the GPU's generation on a GPU, an explicit platform as given; and
+what a fingerprint holds (``harness.numerics``)."""
 from __future__ import annotations
 
-import pathlib
 import re
 
 import pytest
 
-from harness import golden
+from harness import golden, numerics
 
 
 @pytest.fixture
@@ -19,27 +17,14 @@ def cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(golden.ENV_PLATFORM, raising=False)
 
 
-def test_cpu_kind_names_capability_and_vendor() -> None:
-    assert re.fullmatch(r"cpu-[a-z0-9_]+-[a-z0-9_]+", golden.cpu_kind()), golden.cpu_kind()
+def test_every_cpu_uses_cpu(cpu_only: None) -> None:
+    assert golden.detect_platform() == "cpu"
+    assert golden.detect_platform("cpu") == "cpu"
 
 
-def test_cpu_without_kind_files_uses_cpu(cpu_only: None, tmp_path: pathlib.Path) -> None:
-    (tmp_path / "cpu").mkdir()
-    assert golden.resolve_platform(tmp_path) == "cpu"
-
-
-def test_cpu_with_kind_files_uses_them(cpu_only: None, tmp_path: pathlib.Path) -> None:
-    (tmp_path / "cpu").mkdir()
-    (tmp_path / golden.cpu_kind()).mkdir()
-    (tmp_path / "cpu-avx512-someone-else").mkdir()
-    assert golden.resolve_platform(tmp_path) == golden.cpu_kind()
-
-
-def test_explicit_platform_is_used_as_given(cpu_only: None, tmp_path: pathlib.Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / golden.cpu_kind()).mkdir()
-    monkeypatch.setenv(golden.ENV_PLATFORM, "cpu")
-    assert golden.resolve_platform(tmp_path) == "cpu"
+def test_explicit_platform_is_used_as_given(cpu_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(golden.ENV_PLATFORM, "h200")
+    assert golden.detect_platform() == "h200"
 
 
 @pytest.fixture
@@ -53,24 +38,20 @@ def gpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
 
 
-def test_gpu_host_uses_its_generation(gpu_host: None, tmp_path: pathlib.Path) -> None:
-    assert golden.resolve_platform(tmp_path) == "h200"
-    assert golden.resolve_platform(tmp_path, "cuda") == "h200"
+def test_gpu_host_uses_its_generation(gpu_host: None) -> None:
+    assert golden.detect_platform() == "h200"
+    assert golden.detect_platform("cuda") == "h200"
 
 
-def test_cpu_run_on_a_gpu_host_uses_cpu_files(gpu_host: None, tmp_path: pathlib.Path) -> None:
+def test_cpu_run_on_a_gpu_host_uses_cpu_files(gpu_host: None) -> None:
     """A gloo cell on a one-GPU host computes on the CPU: it compares with the CPU files (it
     failed with "no golden file for platform 'h200'" before)."""
-    (tmp_path / "cpu").mkdir()
-    assert golden.resolve_platform(tmp_path, "cpu") == "cpu"
-    (tmp_path / golden.cpu_kind()).mkdir()
-    assert golden.resolve_platform(tmp_path, "cpu") == golden.cpu_kind()
+    assert golden.detect_platform("cpu") == "cpu"
 
 
-def test_explicit_platform_wins_over_the_device(gpu_host: None, tmp_path: pathlib.Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_explicit_platform_wins_over_the_device(gpu_host: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(golden.ENV_PLATFORM, "h200")
-    assert golden.resolve_platform(tmp_path, "cpu") == "h200"
+    assert golden.detect_platform("cpu") == "h200"
 
 
 def test_run_device_type_follows_the_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,11 +65,34 @@ def test_run_device_type_follows_the_process_group(monkeypatch: pytest.MonkeyPat
         assert golden.run_device_type() == want, backend
 
 
-def test_drift_names_a_different_toolchain() -> None:
-    """A drift against a file made with another torch says so (CPU cells on the H200 host, torch
-    2.11, drifted by up to 8e-6 from files made with torch 2.13); the same toolchain adds nothing."""
-    made = {"torch": "2.13.0+cpu", "cuda": "None", "git": "abc"}
-    note = golden._toolchain_note(made, {"torch": "2.11.0+cu130", "cuda": "13.0", "git": "def"})
-    assert "torch 2.13.0+cpu (this run 2.11.0+cu130)" in note and "cuda None (this run 13.0)" in note
-    assert "git" not in note
-    assert golden._toolchain_note(made, {"torch": "2.13.0+cpu", "cuda": "None", "git": "def"}) == ""
+def test_a_cpu_fingerprint_names_what_decides_the_bits() -> None:
+    import torch
+
+    fp = numerics.cpu_fingerprint()
+    assert set(fp) == {"numerics", "torch", "blas", "mkl_cbwr", "cpu_capability", "threads", "onednn"}
+    assert fp["torch"] == torch.__version__ and fp["threads"] == str(torch.get_num_threads())
+    assert fp["numerics"] == "default"  # this process was not started pinned
+    assert re.fullmatch(r"[a-z0-9]+ (avx512|avx2|avx|sse4\.2|baseline)", numerics.cpu_kind()), numerics.cpu_kind()
+
+
+def test_differences_name_each_changed_or_missing_key() -> None:
+    made = {"torch": "2.13.0+cpu", "threads": "1", "onednn": "off"}
+    now = {"torch": "2.11.0+cu130", "threads": "1", "cpu_kind": "amd avx2"}
+    assert numerics.differences(made, now) == ["torch 2.13.0+cpu (this run 2.11.0+cu130)",
+                                               "onednn off (this run absent)", "cpu_kind absent (this run amd avx2)"]
+    assert numerics.differences(made, dict(made)) == []
+
+
+def test_vml_operators_are_counted_and_results_unchanged() -> None:
+    """``sqrt`` and ``pow(x, 0.5)`` of float32 CPU tensors reach MKL VML; bf16, ``pow(x, 2)`` and
+    ``rsqrt`` do not. The mode changes no value."""
+    import torch
+
+    x = torch.rand(64, dtype=torch.float32) + 0.5
+    plain = (x.sqrt(), x.pow(0.5), x.pow(2), x.rsqrt(), torch._foreach_sqrt([x])[0])
+    with numerics.MachineDependentOps() as seen:
+        counted = (x.sqrt(), x.pow(0.5), x.pow(2), x.rsqrt(), torch._foreach_sqrt([x])[0])
+        x.bfloat16().sqrt()
+    assert seen.counts == {"aten.sqrt": 1, "aten.pow": 1, "aten._foreach_sqrt": 1}, seen.counts
+    assert seen.threads == torch.get_num_threads()
+    assert all(torch.equal(a, b) for a, b in zip(plain, counted, strict=True))

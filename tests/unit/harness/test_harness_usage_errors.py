@@ -11,6 +11,7 @@ from harness_selftest import run_samples
     ("sample_bad_conflict.py", "markers 'distributed' and 'forked' conflict"),
     ("sample_bad_fixture.py", "requests fixture(s) ['pytester'] that cannot cross into rank processes"),
     ("sample_bad_kwarg.py", "unknown argument(s) ['ranks']"),
+    ("sample_bad_pinned.py", "pinned_numerics needs distributed(world_size=N)"),
 ])
 def test_collection_error(tmp_path, sample, expected):
     run = run_samples(tmp_path, sample, timeout=120)

@@ -155,7 +155,8 @@ def test_matching_cells_pass_and_a_golden_update_run_does_not(tmp_path, capsys) 
     code, md, _ = run_main(["--junit", ok], capsys)
     assert code == signoff.EXIT_PASS, md
     assert rules(md)["golden values"] == ("ok", "1 golden cell(s) match")
-    assert "<summary>Every golden cell" not in md and "| `zero3` | cpu | cpu/L0_functional | match | 0 | 0 |" in md
+    assert "<summary>Every golden cell" not in md
+    assert "| `zero3` | cpu | cpu/L0_functional | match | exact | 0 | 0 |" in md
     updated = junit(tmp_path / "upd.xml", case("test_golden_world2[zero3]", [prop(
         GOLDEN_PROPERTY, golden_json("zero3", "updated", LOSS, LOSS))]))
     code, md, _ = run_main(["--junit", updated], capsys)
@@ -196,3 +197,112 @@ def test_golden_mutants_are_reported_apart_and_noted(tmp_path, capsys) -> None:
     other.write_text(json.dumps(summary))
     code, _, err = run_main(["--junit", ok, "--mutants", path, "--mutants", other], capsys)
     assert code == signoff.EXIT_BAD_INPUT and "at most one --mutants summary" in err
+
+
+def with_status(status: object, **extra: object) -> str:
+    """A comparison as the writer makes it, with its status replaced and keys added."""
+    data = json.loads(golden_json("zero3", "match", LOSS, LOSS))
+    data.update(status=status, **extra)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize("status", ["MATCH", "Match", "ok", "passed", "", None, 1])
+def test_an_unknown_golden_status_fails_and_is_named(tmp_path, capsys, status) -> None:
+    """Before: an unknown status was dropped, giving "0 golden cell(s) match" and PASS."""
+    xml = junit(tmp_path / "bad.xml", case("test_golden_world2[zero3]", [prop(GOLDEN_PROPERTY, with_status(status))]))
+    code, md, _ = run_main(["--junit", xml], capsys)
+    assert code == signoff.EXIT_FAIL, md
+    result, evidence = rules(md)["golden values"]
+    assert result == "FAILED"
+    assert evidence == (f"1 recorded an unreadable comparison: `zero3` (cpu, cpu/L0_functional) (first: unknown "
+                        f"status {status!r} (the harness writes match, drift, missing, updated))")
+    (row,) = table_rows(md, "## Numerics vs golden")
+    assert row["status"] == "UNREADABLE" and f"unknown status {status!r}" in row["detail"]
+
+
+@pytest.mark.parametrize("raw, detail", [
+    ("{not json", "not JSON: Expecting property name enclosed in double quotes"),
+    ("", "not JSON: Expecting value"),
+    ("null", "not a JSON object but NoneType: null"),
+    ('["match"]', "not a JSON object but list"),
+    ('"match"', "not a JSON object but str"),
+    ('{"status": "match"}', "KeyError: 'cell'"),
+    ('{"cell": "zero3", "status": "match", "series": {"loss": {"run": ["x"]}}}', "ValueError: could not convert"),
+    ('{"cell": "zero3", "status": "match", "series": [1, 2]}', "AttributeError"),
+])
+def test_an_unreadable_golden_property_fails_with_its_reason(tmp_path, capsys, raw, detail) -> None:
+    xml = junit(tmp_path / "bad.xml", case("test_golden_world2[zero3]", [prop(GOLDEN_PROPERTY, raw)]))
+    code, md, _ = run_main(["--junit", xml], capsys)
+    result, evidence = rules(md)["golden values"]
+    assert code == signoff.EXIT_FAIL and result == "FAILED", md
+    assert evidence.startswith("1 recorded an unreadable comparison: `zero3`") and detail in evidence, evidence
+
+
+def test_every_golden_property_of_a_test_counts_and_extra_keys_are_ignored(tmp_path, capsys) -> None:
+    """A test that checks two cells records two properties: the second is read too (an unknown
+    status there fails); keys a newer writer adds (fingerprints) do not disturb the reader."""
+    newer = with_status("match", fingerprint={"sha256": "ab" * 32, "bytes": 1234}, format_note="v2")
+    ok = junit(tmp_path / "ok.xml", case("test_golden_world2[zero3]", [prop(GOLDEN_PROPERTY, newer)]))
+    code, md, _ = run_main(["--junit", ok], capsys)
+    assert code == signoff.EXIT_PASS and rules(md)["golden values"] == ("ok", "1 golden cell(s) match"), md
+    second = json.loads(with_status("MATCH"))
+    second["cell"] = "zero3_second"
+    two = junit(tmp_path / "two.xml", case("test_golden_world2[zero3]", [
+        prop(GOLDEN_PROPERTY, newer), prop(GOLDEN_PROPERTY, json.dumps(second))]))
+    code, md, _ = run_main(["--junit", two], capsys)
+    assert code == signoff.EXIT_FAIL
+    assert rules(md)["golden values"][1].startswith("1 recorded an unreadable comparison: `zero3_second`")
+    assert "2 golden cell(s) on cpu: 1 UNREADABLE, 1 match." in section(md, "## Numerics vs golden")
+
+
+DAMAGED = "checkpoint tests/golden/checkpoints/zero3 is damaged ({n} file problem(s)):"
+COMPAT_PROP = prop(CHECKPOINT_COMPAT_PROPERTY, json.dumps({"fixture": "zero3", "check": "loads"}))
+PROBLEMS = ["data/__0_0.distcp: size 1210, manifest says 1234", "data/.metadata: sha256 differs from the manifest"]
+
+
+def damaged_distributed(problems: list[str]) -> str:
+    """A compat test whose fixture is damaged, as a distributed test's JUnit has it (captured from a
+    spawn-mode run): the message is the first line of rank 0's error, the list is in the body."""
+    head = DAMAGED.format(n=len(problems))
+    error = "\n".join([f"E       fsdp_impl.checkpoint.CheckpointCorruptedError: {head}",
+                       *(f"E         {p}" for p in problems)])
+    body = "\n".join(["call failed on rank(s) [0, 1]", "==================== rank 0 (cause): call failed ====",
+                      "    def test_ckpt(cell, dist_env, golden):", ">       extra = load(path, model, opt)", error,
+                      "", "tests/functional/test_checkpoint_compat.py:68: CheckpointCorruptedError",
+                      "==================== rank 1: call failed ====", error])
+    message = f"[rank 0] fsdp_impl.checkpoint.CheckpointCorruptedError: {head}"
+    return case("test_ckpt[zero3]", [COMPAT_PROP, prop("rank0", "failed"), prop("rank1", "failed")],
+                f'<failure message="{html.escape(message, quote=True)}">{html.escape(body)}</failure>',
+                cls=COMPAT_FILE)
+
+
+def damaged_local(problems: list[str]) -> str:
+    """The same refusal in a test pytest ran itself: the whole message, newlines included."""
+    message = "\n  ".join([f"fsdp_impl.checkpoint.CheckpointCorruptedError: {DAMAGED.format(n=len(problems))}",
+                           *problems])
+    return case("test_ckpt[zero3]", [COMPAT_PROP],
+                f'<failure message="{html.escape(message, quote=True).replace(chr(10), "&#10;")}">E   ...</failure>',
+                cls=COMPAT_FILE)
+
+
+@pytest.mark.parametrize("make", [damaged_distributed, damaged_local], ids=["distributed", "local"])
+def test_a_damaged_fixture_shows_its_file_problems_in_the_report(tmp_path, capsys, make) -> None:
+    """Before: the cause stopped at "is damaged (2 file problem(s)):"; the file names were only in the JUnit."""
+    code, md, _ = run_main(["--junit", junit(tmp_path / "ck.xml", make(PROBLEMS))], capsys)
+    assert code == signoff.EXIT_FAIL
+    (row,) = table_rows(md, "## Checkpoint compatibility")
+    assert row["failure"] == ("`tests/functional/test_checkpoint_compat.py::test_ckpt[zero3]`: "
+                              + ("[rank 0] " if make is damaged_distributed else "")
+                              + "fsdp_impl.checkpoint.CheckpointCorruptedError: " + DAMAGED.format(n=2) + " "
+                              + "; ".join(PROBLEMS))
+    failure = table_rows(md, "## Failures by rank", first_header="test")[0]
+    assert "data/__0_0.distcp" in failure["cause"]  # 160 characters there: the first file name fits
+
+
+def test_a_long_problem_list_is_bounded(tmp_path, capsys) -> None:
+    many = [f"data/__{i}_0.distcp: missing" for i in range(500)]
+    code, md, _ = run_main(["--junit", junit(tmp_path / "ck.xml", damaged_distributed(many))], capsys)
+    (row,) = table_rows(md, "## Checkpoint compatibility")
+    cause = row["failure"].split("`: ", 1)[1]
+    assert code == signoff.EXIT_FAIL and len(cause) == 480 and cause.endswith("...")
+    assert "data/__0_0.distcp: missing; data/__1_0.distcp: missing" in cause

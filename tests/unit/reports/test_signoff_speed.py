@@ -4,12 +4,14 @@ implementation's ratio to FSDP2 from the same run, with a threshold from measure
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
 import pytest
 from report_helpers import run_main, section, table_rows
 
 from harness.report import signoff, speed
+from harness.report.junit_read import JunitError
 from harness.report.speed_baseline import make_baseline
 
 # tokens/s per GPU per repetition (three repetitions), as the 2xH200 suite measured them, roughly
@@ -194,3 +196,68 @@ def test_committed_baselines_are_valid_and_named_for_their_world() -> None:
         assert path.name == speed.baseline_file_name(doc["gen"], doc["world"], doc["fake"]), path.name
         ref = [c for c in doc["cells"] if c["impl"] == doc["reference"]]
         assert len(ref) == 1 and ref[0]["ratio"] == 1.0, path.name
+
+
+def poison(path: pathlib.Path, impl: str, rep: int, key: str, value: float) -> pathlib.Path:
+    """``path`` with one figure of one row replaced (JSON lines as Python writes them: NaN, Infinity)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:
+        if r.get("kind") == "cell" and r["impl"] == impl and r["rep"] == rep:
+            r[key] = value
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("impl", ["ours-z3", "fsdp2"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, 0.0, -48_000.0], ids=["nan", "inf", "zero", "negative"])
+def test_a_throughput_that_is_not_finite_and_positive_is_a_named_fail_with_a_report(
+        tmp_path, baseline, impl, value) -> None:
+    """Before: NaN gave PASS with ``+nan% ... ok`` (NaN fails both threshold comparisons), a zero
+    reference crashed the sign-off with ZeroDivisionError and wrote no report."""
+    result = poison(bench(tmp_path / "now.jsonl"), impl, 2, "tok_s_per_gpu", value)
+    out = tmp_path / "report"
+    code = signoff.main(["--junit", str(junit(tmp_path)), "--bench", str(result), "--bench-baseline", str(baseline),
+                         "--out-dir", str(out)])
+    md = (out / "report.md").read_text()
+    assert code == signoff.EXIT_FAIL, md
+    row = next(r for r in table_rows(md, "### Rules") if r["rule"] == "figures finite and positive")
+    assert row["result"] == "FAILED"
+    assert row["evidence"] == (f"bench result: {impl} at 1.3b rep 2: tok_s_per_gpu is {value!r} "
+                               "(must be finite and above 0)")
+    rows = speed_rows(md)
+    assert rows[impl]["status"] == "INVALID" and "nan%" not in md
+    # the other implementation is compared with nothing when the reference is unusable
+    assert rows["ours-z3"]["status"] == "INVALID" and rows["ours-z3"]["change"] == "-"
+    assert rule(md)[0] == "FAILED" and "ours-z3 at 1.3b: not compared" in rule(md)[1]
+    data = json.loads((out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert data["verdict"] == "FAIL" and "figures finite and positive" in [r["name"] for r in data["rules"]
+                                                                          if not r["ok"]]
+
+
+def test_good_figures_hold_the_figures_rule(tmp_path, baseline, capsys) -> None:
+    code, md, _ = run_main(["--junit", junit(tmp_path), "--bench", bench(tmp_path / "now.jsonl"),
+                            "--bench-baseline", baseline], capsys)
+    row = next(r for r in table_rows(md, "### Rules") if r["rule"] == "figures finite and positive")
+    assert code == signoff.EXIT_PASS
+    assert (row["result"], row["evidence"]) == ("ok", "9 bench row(s) and 3 baseline cell(s): all finite and positive")
+
+
+@pytest.mark.parametrize("key, value", [("ratio", math.nan), ("ratio", 0.0), ("tok_s_per_gpu", math.inf),
+                                        ("spread", math.nan), ("peak_gib", -1.0)])
+def test_a_baseline_figure_that_is_not_finite_fails_by_name(tmp_path, baseline, capsys, key, value) -> None:
+    doc = json.loads(baseline.read_text())
+    next(c for c in doc["cells"] if c["impl"] == "ours-z3")[key] = value
+    baseline.write_text(json.dumps(doc))
+    code, md, _ = run_main(["--junit", junit(tmp_path), "--bench", bench(tmp_path / "now.jsonl"),
+                            "--bench-baseline", baseline], capsys)
+    row = next(r for r in table_rows(md, "### Rules") if r["rule"] == "figures finite and positive")
+    assert code == signoff.EXIT_FAIL and row["result"] == "FAILED"
+    assert row["evidence"].startswith(f"baseline: ours-z3 at 1.3b: {key} is {value!r}")
+    assert speed_rows(md)["ours-z3"]["status"] == "INVALID"
+
+
+def test_no_baseline_is_made_from_unusable_figures(tmp_path) -> None:
+    bad = speed.read_bench(poison(bench(tmp_path / "b.jsonl"), "fsdp2", 1, "tok_s_per_gpu", 0.0))
+    with pytest.raises(JunitError, match=r"a baseline needs finite, positive figures: bench result: fsdp2 at 1.3b "
+                                         r"rep 1: tok_s_per_gpu is 0.0"):
+        make_baseline([bad], "h200", git="abc1234")

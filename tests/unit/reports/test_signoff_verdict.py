@@ -134,3 +134,26 @@ def test_a_flaky_test_never_counts_as_passed(tmp_path, capsys) -> None:
     results = rule_results(report)
     assert (results["tests ran"], results["required regressions"]) == ("FAILED", "FAILED")
     assert "`bug-x` is flaky" in report
+
+
+NAMELESS = '<testcase time="0.000" />'  # what pytest's junitxml leaves for a test a KeyboardInterrupt stopped
+
+
+def test_a_nameless_testcase_is_not_a_pass(tmp_path, capsys) -> None:
+    """Before: counted as passed, so an interrupted run's JUnit alone gave PASS (issue 52, item 13)."""
+    xml = junit(tmp_path / "run.xml", case("test_ok"), NAMELESS)
+    code, md, _ = run_main(["--junit", xml], capsys)
+    assert code == signoff.EXIT_FAIL and rule_results(md)["no failures"] == "FAILED"
+    (totals,) = table_rows(md, "## Verdict: FAIL")
+    assert (totals["tests"], totals["passed"], totals["errors"]) == ("2", "1", "1")
+    assert "without a name or a result: pytest writes one for the test that was running" in md
+
+
+def test_a_nameless_testcase_gives_way_to_the_sidecar_naming_the_test(tmp_path, capsys) -> None:
+    xml = junit(tmp_path / "run.xml", case("test_ok"), NAMELESS)
+    sidecar(xml, expected=["tests/functional/test_f.py::test_ok", "tests/functional/test_f.py::test_hang"],
+            unfinished=["tests/functional/test_f.py::test_hang"])
+    code, md, _ = run_main(["--junit", xml], capsys)
+    (totals,) = table_rows(md, "## Verdict: FAIL")
+    assert (totals["tests"], totals["passed"], totals["errors"]) == ("2", "1", "1")  # the hang, counted once
+    assert "`tests/functional/test_f.py::test_hang`" in md and "without a name" not in md
