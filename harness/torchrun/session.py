@@ -46,7 +46,7 @@ from harness.nodes import ENV_SHARED_DIR, PLACEMENT_KEY
 from harness.outcome import payload_failed
 from harness.rank_guard import RankGuard
 from harness.spec import SPEC_KEY, resolve_startup_timeout, resolve_timeout
-from harness.torchrun import dirs, link, nodecount
+from harness.torchrun import dirs, ending, groups, link, nodecount
 from harness.torchrun.groups import GroupJanitor
 from harness.torchrun.liveness import DEFAULT_HEARTBEAT_TIMEOUT_S, Liveness
 from harness.torchrun.placement import Place, Placement, publish
@@ -124,6 +124,7 @@ class TorchrunSession:
         self.state: RankState | None = None
         self.guard = RankGuard()
         self.janitor = GroupJanitor()
+        self.hard_exit = ending.HardExit()
         self._warned_kept = False
         self.release_next: list[str] = []  # rank 0: groups every rank destroys before the next test
         config.pluginmanager.register(self.guard, "fsdp_harness_rank_guard")
@@ -362,10 +363,13 @@ class TorchrunSession:
             self._release_group()
 
     def _release_group(self) -> None:
+        """Destroy the harness's own default group and free it now (``groups.free_destroyed``)."""
         import torch.distributed as dist
 
         if self.own_group is not None and dist.is_initialized() and dist.group.WORLD is self.own_group:
+            self.own_group = None
             dist.destroy_process_group()
+            groups.free_destroyed()
         self.own_group = None
 
     def _survey_groups(self) -> dict[str, list[str]]:
@@ -457,6 +461,12 @@ class TorchrunSession:
         self.watchdog.stop()
         self.watchdog.signals.close()
         self._release_group()
+        groups.free_destroyed()  # also a group the suite destroyed itself (e.g. in teardown_class)
+        left = ending.gloo_threads()
+        if left:
+            self.hard_exit.arm(int(self.pytest_session.exitstatus) if self.pytest_session is not None else 0)
+            self._log(f"{left} gloo thread(s) still run (a process group torch still holds): this rank ends "
+                      "without interpreter finalization, where freeing the group could abort it")
         if self.log is not None:
             self.log.write("session ended")
         proc_tree.kill_tree(os.getpid(), include_root=False)
