@@ -9,7 +9,6 @@ root) whose params belong to both sets becomes two units driven by the same modu
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -81,14 +80,10 @@ class GroupSet:
 def make_context(groups: GroupSet, config: FSDPConfig, device: torch.device, streams: CommStreams) -> UnitContext:
     """The context of the units over ``groups`` (``two_level_groups`` is a collective)."""
     group = groups.dims.shard_group or groups.dims.shard_mesh.get_group()
-    return UnitContext(strategy=config.strategy, shard_mesh=groups.dims.shard_mesh, group=group,
-                       plan=groups.dims.plan, rank=dist.get_rank(group), world=dist.get_world_size(group),
-                       device=device, policy=config.mixed_precision_policy, streams=streams,
+    return UnitContext(config=config, shard_mesh=groups.dims.shard_mesh, group=group, plan=groups.dims.plan,
+                       rank=dist.get_rank(group), world=dist.get_world_size(group), device=device, streams=streams,
                        two_level=two_level_groups(groups.dims, device), grad_scaling=groups.scaling,
-                       gather_group=groups.gather_group, prefetch=config.overlap_param_gather,
-                       graph_mode=config.cuda_graph_mode, unshard=config.unshard,
-                       fp8_setup=functools.partial(unit_fp8, keep_transpose=config.keep_fp8_transpose_cache),
-                       fine_grained=config.enable_fine_grained_param_gather, offload=config.offload_policy)
+                       gather_group=groups.gather_group, fp8_setup=unit_fp8)
 
 
 @dataclass
@@ -264,7 +259,7 @@ def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], config: F
                             ordinary.scaling)
     # FP8 weights requantised over the shard group; delayed-scaling amaxes over every dp rank
     fp8 = model_fp8(module, units, ctx.group, ordinary.dims.hybrid_group or ctx.group)
-    engine = FSDPEngine(units, units[-1], ctx, config, reducer, fp8)
+    engine = FSDPEngine(units, units[-1], ctx, reducer, fp8)
     if config.offload_policy is not None:
         engine.offload = ModelOffload(config.offload_policy, device)
     handles = register_hooks(engine, modules)
@@ -291,7 +286,7 @@ def _log_wrap(engine: FSDPEngine, dims: ParallelDims) -> None:
     """Debug summary of a wrap: strategy, groups, and per unit its params and shard sizes."""
     ctx = engine.ctx
     logger.debug("fully_shard: strategy=%s, shard group rank %d of %d on %s, HSDP outer reduce=%s, "
-                 "HFSDP two-level reduce=%s, tp=%s, %d units", ctx.strategy.name.lower(), ctx.rank,
+                 "HFSDP two-level reduce=%s, tp=%s, %d units", ctx.config.strategy.name.lower(), ctx.rank,
                  ctx.world, ctx.device, dims.hsdp_reduce_group is not None, ctx.two_level is not None,
                  dims.tp_dim if dims.tp_group is not None else None, len(engine.units))
     for unit in engine.units:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
-from .offload import OffloadPolicy
+from .offload import OffloadPolicy, checked_policy
 from .policy import MixedPrecisionPolicy, ShardingStrategy
 from .unshard_storage import UnshardStorage
 
@@ -75,8 +75,7 @@ class FSDPConfig:
         if not isinstance(self.mixed_precision_policy, MixedPrecisionPolicy):
             raise TypeError(f"mixed_precision_policy must be a fsdp_impl.MixedPrecisionPolicy, "
                             f"got {self.mixed_precision_policy!r}")
-        if self.offload_policy is not None and not isinstance(self.offload_policy, OffloadPolicy):
-            raise TypeError(f"offload_policy must be a fsdp_impl.OffloadPolicy or None, got {self.offload_policy!r}")
+        checked_policy(self.offload_policy)
         for name in BOOL_SWITCHES:
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -86,10 +85,6 @@ class FSDPConfig:
                              "and offloaded shards live in host memory; pass one of them")
         object.__setattr__(self, "unshard", UnshardStorage.from_megatron_args(
             self.fsdp_double_buffer or self.nccl_ub, self.maxpool_double_buffer))
-
-    @property
-    def zero3(self) -> bool:
-        return self.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
 
     def with_unshard(self, unshard: UnshardStorage) -> FSDPConfig:
         """The same configuration with the unshard storage resolved (never AUTO)."""
@@ -105,3 +100,6 @@ class FSDPConfig:
 BOOL_SWITCHES = tuple(f.name for f in fields(FSDPConfig)
                       if f.name not in ("strategy", "outer_strategy", "mixed_precision_policy", "unshard",
                                         "offload_policy"))
+# The fields ``fully_shard_model`` passes by the name of its own argument (the strategies are parsed).
+CONFIG_ARGUMENTS = tuple(f.name for f in fields(FSDPConfig)
+                         if f.init and f.name not in ("strategy", "outer_strategy"))

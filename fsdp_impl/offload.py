@@ -134,12 +134,18 @@ def stream_on_cpu_for_tests() -> Iterator[None]:
         _cpu_window_allowed = previous
 
 
+def checked_policy(policy: object) -> OffloadPolicy | None:
+    """``offload_policy`` itself, refused unless it is an ``OffloadPolicy`` or None."""
+    if policy is not None and not isinstance(policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be a fsdp_impl.OffloadPolicy or None, got {policy!r}")
+    return policy
+
+
 def check_offload(policy: object, device: torch.device, cuda_graph_mode: bool, module: nn.Module) -> None:
     """Wrap-time checks of ``offload_policy`` against the device and the other switches."""
+    policy = checked_policy(policy)
     if policy is None:
         return
-    if not isinstance(policy, OffloadPolicy):
-        raise TypeError(f"offload_policy must be a fsdp_impl.OffloadPolicy or None, got {policy!r}")
     if cuda_graph_mode:
         raise ValueError("offload_policy cannot be combined with cuda_graph_mode=True: the offloaded step "
                          "synchronises with the host and moves state between host and device buffers that "
@@ -172,7 +178,7 @@ def window_lower_bound(policy: OffloadPolicy, parts: Sequence[tuple[Sequence[Man
         trainable = [p for p in params if p.requires_grad]
         if not trainable:
             continue
-        dtypes = ResolvedDtypes.resolve(ctx.policy, params[0].dtype)
+        dtypes = ResolvedDtypes.resolve(ctx.config.mixed_precision_policy, params[0].dtype)
         layout = FlatLayout([p.layout_shape for p in trainable], ctx.num_shards)
         total += sum(math.prod(slot.local_shape(ctx.num_shards, ctx.layout_rank)) for slot in layout.slots)
         unit_bytes = ((dtypes.main_params.itemsize if policy.main_params else 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,10 +24,10 @@ from .decoupled import grad_attr_name
 from .device import CommStreams, is_capturing
 from .grad_reduce import GradScaling, TwoLevelGroups, UnitGradReduce, unit_grad_reduce
 from .grad_staging import GradStaging
-from .offload import OffloadPolicy, UnitOffload
+from .offload import UnitOffload
 from .param import ManagedParam
 from .placement import PlacementPlan, local_tensor
-from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
+from .policy import ResolvedDtypes, ShardingStrategy
 from .sharding import FlatLayout, shard_row_range
 from .unshard_storage import (
     GatherPhase,
@@ -41,6 +41,7 @@ from .unshard_storage import (
 )
 
 if TYPE_CHECKING:
+    from .config import FSDPConfig
     from .fp8_params import UnitFp8
     from .nccl_ub import UserBuffers
 
@@ -75,59 +76,78 @@ _Guard = tuple[dict[int, Callable[..., object]], int, Callable[..., object]]
 
 @dataclass
 class UnitContext:
-    """What every unit of one model shares: where it runs and how it shards."""
+    """What every unit of one model shares: its configuration, where it runs and how it shards.
+    The switches are read from ``config`` under their ``fully_shard`` names; the ZeRO level
+    through the predicates below."""
 
-    strategy: ShardingStrategy
+    config: FSDPConfig
     shard_mesh: DeviceMesh
     group: dist.ProcessGroup
     plan: PlacementPlan  # the meshes/placements the sharded params and grads are DTensors on
     rank: int  # rank inside the shard group
     world: int  # size of the shard group
     device: torch.device
-    policy: MixedPrecisionPolicy
     streams: CommStreams
     # HFSDP two-level grad reduction: reduce-scatter inside dp_shard every backward, across
     # dp_outer only on the sync backward (``None``: one reduction over ``group``).
     two_level: TwoLevelGroups | None = None
-    # fully_shard's communication options: how grads are scaled and reduced, the group of the
-    # param all-gathers (fsdp_group_ag; ``None``: ``group``), whether ZeRO-3 prefetches the
-    # next unit (overlap_param_gather).
+    # How grads are scaled and reduced, and the group of the param all-gathers (fsdp_group_ag;
+    # ``None``: ``group``).
     grad_scaling: GradScaling = GradScaling()
     gather_group: dist.ProcessGroup | None = None
-    prefetch: bool = True
-    # CUDA-graph mode: persistent engine buffers, every step takes the same host-side path.
-    graph_mode: bool = False
-    # Set by fsdp_impl.cuda_graph.capture_train_step while it captures (see FSDPUnit._capture_token).
-    capture_token: object | None = None
-    # How ZeRO-3 compute params are stored while unsharded (resolved: never AUTO).
-    unshard: UnshardStorage = field(default_factory=lambda: UnshardStorage().resolve(False))
     # FP8 params: builds a unit's FP8 side once it has sharded (fp8_params.unit_fp8); None: no FP8
     fp8_setup: Callable[[FSDPUnit], UnitFp8 | None] | None = None
-    # enable_fine_grained_param_gather: a ZeRO-3 unit is gathered by the pre-forward hook of its
-    # first submodule that holds params, not by the unit's own pre-forward (hooks.py, engine.py).
-    fine_grained: bool = False
     # nccl_ub: the NCCL memory pool every communication buffer comes from (nccl_ub.py).
     user_buffers: UserBuffers | None = None
+    # Set by fsdp_impl.cuda_graph.capture_train_step while it captures (see FSDPUnit._capture_token).
+    capture_token: object | None = None
+
+    @property
+    def unshard(self) -> UnshardStorage:
+        """How ZeRO-3 compute params are stored while unsharded (resolved: never AUTO)."""
+        return self.config.unshard
+
+    @unshard.setter
+    def unshard(self, storage: UnshardStorage) -> None:
+        self.config = self.config.with_unshard(storage)
+
+    @property
+    def zero3(self) -> bool:
+        """``optim_grads_params``: compute params exist only while gathered."""
+        return self.config.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
+
+    @property
+    def shards_grads(self) -> bool:
+        """ZeRO-2/3: grads are reduce-scattered every backward (else accumulated until the sync one)."""
+        return self.config.strategy >= ShardingStrategy.OPTIM_GRADS
+
+    @property
+    def refreshes(self) -> bool:
+        """ZeRO-1/2: persistent compute params rebuilt by a gather when the main weights changed."""
+        return self.config.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)
+
+    @property
+    def no_shard(self) -> bool:
+        """ZeRO-0: every rank holds every param (layouts of one shard)."""
+        return self.config.strategy == ShardingStrategy.NO_SHARD
 
     @property
     def fixed_buffers(self) -> bool:
         """Communication buffers live as long as the model (CUDA graphs, NCCL user buffers)."""
-        return self.graph_mode or self.user_buffers is not None
+        return self.config.cuda_graph_mode or self.user_buffers is not None
 
     def comm_allocation(self) -> contextlib.AbstractContextManager[None]:
         """Where a communication buffer allocated now comes from (the NCCL pool, if any)."""
         return self.user_buffers.allocating() if self.user_buffers is not None else contextlib.nullcontext()
-    # CPU offload (fully_shard's offload_policy): which unit buffers live in host memory.
-    offload: OffloadPolicy | None = None
 
     @property
     def num_shards(self) -> int:
         """Shards of the weight/grad layouts: 1 for no_shard (every rank holds everything)."""
-        return 1 if self.strategy == ShardingStrategy.NO_SHARD else self.world
+        return 1 if self.no_shard else self.world
 
     @property
     def layout_rank(self) -> int:
-        return 0 if self.strategy == ShardingStrategy.NO_SHARD else self.rank
+        return 0 if self.no_shard else self.rank
 
 
 class FSDPUnit:
@@ -141,12 +161,14 @@ class FSDPUnit:
         self.name = name
         self.params = params
         self.ctx = ctx
-        self.dtypes = ResolvedDtypes.resolve(ctx.policy, params[0].dtype if params else torch.float32)
+        config = ctx.config
+        dtype = params[0].dtype if params else torch.float32
+        self.dtypes = ResolvedDtypes.resolve(config.mixed_precision_policy, dtype)
         self.trainable = [p for p in params if p.requires_grad]
         for i, p in enumerate(self.trainable):
             p.grad_index = i
         n, r = ctx.num_shards, ctx.layout_rank
-        self.offload = UnitOffload(ctx.offload, ctx.device) if ctx.offload is not None else None
+        self.offload = UnitOffload(config.offload_policy, ctx.device) if config.offload_policy is not None else None
         self.weight = DataParallelBuffer(FlatLayout([p.layout_shape for p in params], n), r,
                                          self.dtypes.main_params, ctx.device)
         if self.offload is not None:  # main params in host memory (offload_policy.main_params)
@@ -156,15 +178,15 @@ class FSDPUnit:
             self.grad = DataParallelBuffer(FlatLayout([p.layout_shape for p in self.trainable], n), r,
                                            self.dtypes.main_grads, ctx.device)
         self.reducer: UnitGradReduce = unit_grad_reduce(
-            ctx.group, ctx.strategy == ShardingStrategy.NO_SHARD, ctx.two_level, ctx.streams.reduce,
+            ctx.group, ctx.no_shard, ctx.two_level, ctx.streams.reduce,
             ctx.device, self.dtypes.main_grads, ctx.grad_scaling)
         self.group = ParameterGroup(name, self.weight, self.grad,
-                                    ctx.policy.main_params_dtype is not None)
+                                    ctx.config.mixed_precision_policy.main_params_dtype is not None)
         self.staging: GradStaging | None = None  # grads awaiting reduction (None: nothing trainable)
         if self.grad is not None:
             self.staging = GradStaging(self.grad.layout, self.dtypes.main_grads, ctx.device,
                                        persistent=ctx.fixed_buffers)
-        self.storage: UnitStorage = unit_storage(ctx.unshard.standalone_kind(ctx.graph_mode), [])
+        self.storage: UnitStorage = unit_storage(ctx.unshard.standalone_kind(ctx.config.cuda_graph_mode), [])
         self._ready = 0
         self._gather: _Gather | None = None  # a prefetched all-gather not yet consumed
         self._in_place_gather: bool | None = None  # see _gathers_in_place (decided at the first gather)
@@ -200,8 +222,9 @@ class FSDPUnit:
                 p.set_on_module(p.sharded)
         if self.ctx.fp8_setup is not None:
             self.fp8 = self.ctx.fp8_setup(self)
-        self.storage = unit_storage(self.ctx.unshard.standalone_kind(self.ctx.graph_mode), self.compute_tensors())
-        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+        kind = self.ctx.unshard.standalone_kind(self.ctx.config.cuda_graph_mode)
+        self.storage = unit_storage(kind, self.compute_tensors())
+        if self.ctx.zero3:
             self._release_unsharded()
 
     def compute_tensors(self) -> list[torch.Tensor]:
@@ -230,7 +253,7 @@ class FSDPUnit:
     def tracks_versions(self) -> bool:
         """Whether anything reads ``synced_version``: the ZeRO-0/1/2 refresh decision and FP8
         requantisation; plain ZeRO-3 re-gathers on every unshard, so it skips the signature."""
-        return self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS or self.fp8 is not None
+        return not self.ctx.zero3 or self.fp8 is not None
 
     def weights_changed(self) -> bool:
         """True when the main weights changed since the compute params were last built."""
@@ -241,7 +264,7 @@ class FSDPUnit:
         prefetched all-gather; ``phase``: forward, pre-backward or an activation recompute)."""
         if self.is_unsharded:
             return
-        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+        if self.ctx.zero3:
             if self._gather is None:
                 self.prefetch()
             if self._gather is not None:
@@ -270,8 +293,7 @@ class FSDPUnit:
     def prefetch(self) -> None:
         """ZeRO-3: allocate the compute storage and start the all-gather (on the gather stream
         on CUDA) so it overlaps the compute of the unit before it."""
-        if (self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS or self.is_unsharded
-                or self._gather is not None or not self.params):
+        if not self.ctx.zero3 or self.is_unsharded or self._gather is not None or not self.params:
             return
         self.storage.on_gather_start()
         self._gather = self._start_gather()
@@ -281,12 +303,12 @@ class FSDPUnit:
         gather ``prefetch_refresh`` started, if any)."""
         if not self.params:
             return
-        if self.ctx.strategy != ShardingStrategy.NO_SHARD:
+        if not self.ctx.no_shard:
             gather, self._gather = self._gather, None
             self._finish_gather(gather if gather is not None else self._start_gather())
             return
         local = self._gather_input().to(self.dtypes.compute)
-        self._copy_out(local, self.weight.layout, self.params, fused=not self.ctx.graph_mode)
+        self._copy_out(local, self.weight.layout, self.params, fused=not self.ctx.config.cuda_graph_mode)
         self.synced_version = self.version_signature()
 
     def regather_fp8_rowwise(self) -> None:
@@ -365,21 +387,20 @@ class FSDPUnit:
             elif self.fp8 is not None:  # fills the FP8 params; the others are copied out below
                 gathered, layout, params = self.fp8.unpack(gather.gathered)
             if params:
-                self._copy_out(gathered, layout, params, fused=not self.ctx.graph_mode)
+                self._copy_out(gathered, layout, params, fused=not self.ctx.config.cuda_graph_mode)
         self.synced_version = gather.version
 
     def prefetch_refresh(self) -> None:
         """ZeRO-1/2: start the all-gather the next ``refresh`` finishes, so it overlaps the
         compute of the unit before it (the main weights do not change inside a forward)."""
-        if (self.ctx.strategy not in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)
-                or self._gather is not None or not self.params):
+        if not self.ctx.refreshes or self._gather is not None or not self.params:
             return
         self._gather = self._start_gather()
 
     def drop_prefetched_refresh(self) -> None:
         """ZeRO-1/2: forget a prefetched gather the last forward did not use (it skipped this
         unit); its values may predate the optimizer step since."""
-        if self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        if not self.ctx.zero3:
             self._discard_gather()
 
     def _discard_gather(self) -> bool:
@@ -393,7 +414,7 @@ class FSDPUnit:
 
     def reshard(self) -> None:
         """ZeRO-3: free the compute storage (autograd's saved references stay valid objects)."""
-        if self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        if not self.ctx.zero3:
             return
         if self._discard_gather():  # prefetched but never used
             self._release_unsharded()
@@ -437,11 +458,10 @@ class FSDPUnit:
         params with ``enable_fine_grained_param_gather``; else, under ZeRO-3 with
         ``keep_fp8_transpose_cache``, the FP8 modules (a recompute of one needs its row-wise
         bytes back, ``regather_fp8_rowwise``)."""
-        if self.ctx.fine_grained:
+        if self.ctx.config.enable_fine_grained_param_gather:
             return self.param_modules()
-        zero3 = self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
         # (planes aliasing the shard are never released: the row-wise bytes are always there)
-        if self.fp8 is not None and self.fp8.keep_transpose and zero3 and not self.fp8.aliased:
+        if self.fp8 is not None and self.fp8.keep_transpose and self.ctx.zero3 and not self.fp8.aliased:
             return self.fp8.modules()
         return []
 
@@ -462,7 +482,7 @@ class FSDPUnit:
         if grad is None:
             return False
         staging = self._staging()
-        if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
+        if self.ctx.shards_grads:
             staging.stash(p.grad_slot, grad)  # packed in one op when the unit reduces
         else:
             self._grad_buffer().layout.pack_full(staging.accumulator(), p.grad_slot, grad, accumulate=True)
@@ -487,7 +507,7 @@ class FSDPUnit:
             return
         overwrite = False
         with self.ctx.comm_allocation():
-            if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
+            if self.ctx.shards_grads:
                 overwrite = self.grad.take_zeroed(self._capture_token())
                 direct = self.reducer.direct_target(self.grad, comm_dtype, overwrite)
                 full = self._staging().take_pending(comm_dtype, out=direct)  # zeros if no grad arrived
@@ -499,7 +519,7 @@ class FSDPUnit:
                 full = self._staging().take_accumulated(comm_dtype)
             else:
                 return
-        if self.ctx.strategy < ShardingStrategy.OPTIM_GRADS:
+        if not self.ctx.shards_grads:
             overwrite = self.grad.take_zeroed(self._capture_token())
         self.reduce_event = self.reducer.reduce(full, self.grad, sync, overwrite)
 
@@ -555,7 +575,7 @@ class FSDPUnit:
             local = buffer.local_view(i)
             is_view = decoupled or local.dtype == sharded.dtype
             g = self.ctx.plan.wrap(local if is_view else local.to(sharded.dtype), p.tp, p.shape)
-            if is_view or self.ctx.graph_mode:
+            if is_view or self.ctx.config.cuda_graph_mode:
                 self._grad_cache[i] = g
             setattr(sharded, attr, g)
 
@@ -588,7 +608,7 @@ class FSDPUnit:
 def attach_unshard_pool(units: list[FSDPUnit], ctx: UnitContext) -> UnshardPool | None:
     """ZeRO-3 with the POOL unshard storage: make the compute params of ``units`` (the non-root
     units, engine order) views into a shared pool; otherwise leave every unit's own storage."""
-    if ctx.unshard.kind != UnshardStorageKind.POOL or ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+    if ctx.unshard.kind != UnshardStorageKind.POOL or not ctx.zero3:
         return None
     pooled = [u for u in units if u.params]
     if not pooled:
