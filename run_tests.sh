@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README quick start, step 2; .ci/run calls exactly this).
 # Creates or reuses .venv (VENV=...), installs torch (CPU build 2.13.0 when no NVIDIA GPU is present;
-# TORCH_VERSION=X.Y.Z installs that release instead) and the project with its test and lint extras, then
+# TORCH_VERSION=X.Y.Z installs that release instead) and the project with its test, lint and hf extras, then
 # runs ruff and mypy, the CPU L0 tier (unit suites, the l0 cells of every functional suite and the
 # known-bug regression tests, with a sign-off report), the golden cells again with OMP_NUM_THREADS=1,
 # and every test L0 leaves out (slow ones, the rest of the functional suites), writing JUnit XML under
@@ -36,8 +36,8 @@ elif ! python -c 'import torch' 2>/dev/null; then
     echo "[run_tests] installing torch 2.13.0 (CPU build)"
     python -m pip install -q torch==2.13.0
 fi
-echo "[run_tests] installing fsdp-harness with test and lint extras"
-python -m pip install -q -e '.[test,lint]'
+echo "[run_tests] installing fsdp-harness with test, lint and hf extras"
+python -m pip install -q -e '.[test,lint,hf]'
 
 # pytest-forked 1.7.5 breaks on pytest >= 9.2; the pin lives in pyproject.toml and is checked here.
 python - <<'PY'

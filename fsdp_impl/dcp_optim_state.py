@@ -25,10 +25,18 @@ from typing import Any
 
 import torch
 
-from .checkpoint._state import user_optimizer_class
 from .placement import local_tensor
 
 _DUMMY_SHAPE = (2, 3)
+
+
+def user_optimizer_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
+    """The user's optimizer class: ``fully_shard`` swaps in a one-off subclass ``FSDP<Name>``
+    (bases: a mixin and the user's class), which this looks through."""
+    cls = type(optimizer)
+    while len(cls.__bases__) > 1 and cls.__name__ == f"FSDP{cls.__bases__[-1].__name__}":
+        cls = cls.__bases__[-1]
+    return cls
 
 
 def _constructor_kwargs(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from harness import gpu_lease, node_ids, numerics
 from harness import procs as procs_mod
 from harness.bucket import Bucket, BucketSetup, TestOutcome
 from harness.combine import ReportBuilder, needs_restart, warn_state_changes
-from harness.sidecar import SIGNAL_NAME_ATTR
+from harness.protocol import SIGNAL_NAME_ATTR
 from harness.spec import SPEC_KEY, DistSpec, resolve_startup_timeout, resolve_timeout
 
 

@@ -25,6 +25,8 @@ import os
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+# set by the controller on the KeyboardInterrupt a SIGTERM raises; the sidecar names the signal from it
+SIGNAL_NAME_ATTR = "signal_name"
 ENV_RANK_PROCESS = "HARNESS_RANK_PROCESS"
 ENV_STORE_HOST = "HARNESS_STORE_HOST"
 ENV_STORE_PORT = "HARNESS_STORE_PORT"

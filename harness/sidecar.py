@@ -31,7 +31,7 @@ from harness import environment
 from harness.matrix import AXES_KEY, allowed_axes
 from harness.mutant import ENV_MUTANT
 from harness.nodes import PLACEMENT_KEY
-from harness.protocol import RunMode
+from harness.protocol import SIGNAL_NAME_ATTR, RunMode
 from harness.report.junit_format import (
     AXIS_PROPERTY_PREFIX,
     ERROR,
@@ -141,7 +141,6 @@ class ReportAnnotator:
         report.harness_bucket = info  # type: ignore[attr-defined]
 
 
-SIGNAL_NAME_ATTR = "signal_name"  # set by the controller on the KeyboardInterrupt a SIGTERM raises
 INTERRUPTED = "interrupted by {what} while this test ran: the session was stopped before it finished (a CI " \
               "cancellation, a timeout or Ctrl-C); its result is unknown"
 

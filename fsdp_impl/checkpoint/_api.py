@@ -14,11 +14,15 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _comm, _files, _layout
-from ._errors import CheckpointCorruptedError, CheckpointError, CheckpointWriteError
+from ._dcp_out import save_torch_dcp
+from ._errors import CheckpointCorruptedError, CheckpointError, CheckpointFormatError, CheckpointWriteError
+from ._foreign_load import load_foreign
+from ._formats import DCP, HF, detect
 from ._state import (
     MODEL_KEY,
     OPTIM_KEY,
     OptimizerSnapshot,
+    check_optimizer_class,
     check_optimizer_matches,
     empty_optimizer_state,
     install_optimizer_state,
@@ -28,28 +32,46 @@ from ._state import (
 )
 from ._validate import check_model_matches
 
-__all__ = ["save", "load", "data_dir"]
+__all__ = ["save", "load", "data_dir", "FORMATS"]
 
 
-def save(path: str | os.PathLike, model: nn.Module, optimizer: Any, extra: dict | None = None) -> None:
+FORMATS = ("fsdp_impl", "torch_dcp")
+
+
+def save(path: str | os.PathLike, model: nn.Module, optimizer: Any, extra: dict | None = None, *,
+         format: str = "fsdp_impl") -> None:
     """Write model + optimizer state (and ``extra``) to the directory ``path``; collective.
 
-    All ranks must call it with the same ``path`` on a filesystem they share.  Data goes into a
-    new data directory inside ``path``; once every file is written and hashed, rank 0 commits it
-    by atomically replacing ``path/manifest.json``, so at any instant ``path`` holds a complete
-    checkpoint (the previous one until the commit).  Other files in ``path`` are never touched.
-    ``extra`` (epoch, RNG states, LR-scheduler and data-loader state ...) is pickled by rank 0,
-    so it must be the same on all ranks or only meaningful on rank 0; store per-rank values
-    (e.g. each rank's RNG state) as a list gathered with ``dist.all_gather_object``.  Tensors
-    in ``extra`` come back on the CPU.
+    All ranks must call it with the same ``path`` on a filesystem they share. ``extra`` (epoch,
+    RNG states, LR-scheduler and data-loader state ...) is pickled by rank 0, so it must be the
+    same on all ranks or only meaningful on rank 0; store per-rank values (e.g. each rank's RNG
+    state) as a list gathered with ``dist.all_gather_object``. Tensors in ``extra`` come back on
+    the CPU.
+
+    ``format``:
+
+    * ``"fsdp_impl"`` (default): data goes into a new data directory inside ``path``; once every
+      file is written and hashed, rank 0 commits it by atomically replacing
+      ``path/manifest.json``, so at any instant ``path`` holds a complete checkpoint (the
+      previous one until the commit). Other files in ``path`` are never touched.
+    * ``"torch_dcp"``: FSDP2's own layout (``model.<fqn>``, ``optim.state.<fqn>.*``,
+      ``optim.param_groups.*`` in the model's own names), DCP files directly in ``path``, which
+      FSDP2's ``get_state_dict`` + ``dcp.load`` + ``set_state_dict`` load as their own;
+      ``manifest.json`` and ``extra.pt`` are sidecars DCP readers ignore. Written once: ``path``
+      must not exist or be empty (see ``_dcp_out``). ``load`` reads it too.
     """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}; got {format!r}")
     path = _files.as_path(path)
     _refuse_expert_parallel(model)
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra must be a dict or None; got {type(extra).__name__}")
     torch_optimizer = unwrap_optimizer(optimizer)
     model_sd, _ = model_state(model)
-    snapshot = snapshot_optimizer(model, torch_optimizer)
+    snapshot = snapshot_optimizer(model, torch_optimizer, placeholders=format == "torch_dcp")
+    if format == "torch_dcp":
+        save_torch_dcp(path, model, snapshot, extra)
+        return
 
     data, error = None, None
     if _comm.rank() == 0:
@@ -119,41 +141,70 @@ def _write(data: Path, path: Path, state: dict, snapshot: OptimizerSnapshot, ext
     _comm.raise_if_any_failed(error, f"publishing checkpoint {path}", CheckpointWriteError)
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer: Any) -> dict | None:
-    """Load a checkpoint written by :func:`save` into ``model`` and ``optimizer``; collective.
+def load(path: str | os.PathLike, model: nn.Module, optimizer: Any, *, model_key: str | None = None,
+         optim_key: str | None = None) -> dict | None:
+    """Load a checkpoint into ``model`` and ``optimizer`` (``None``: the model only); collective.
 
     Works on a freshly wrapped model and a never-stepped optimizer, in any world size or
     sharding strategy: DCP reshards into the current parameters' layout, the values are
     installed through ``model.load_state_dict`` (an in-place update the engine sees, so the next
     forward uses them), and the optimizer state is rebuilt from the checkpoint without a
-    ``step()``.  Every file is checked against the sizes and SHA-256 recorded at save before
-    anything is copied, so a damaged checkpoint leaves model and optimizer untouched.
-    Returns the ``extra`` dict given to :func:`save` (``None`` if none was given).
+    ``step()``. A checkpoint of another model (names, shapes, dtypes) or optimizer is refused
+    naming the differences, before anything is modified.
+
+    What ``path`` may hold:
+
+    * a checkpoint of :func:`save` (either format): every file is checked against the sizes and
+      SHA-256 recorded at save before anything is copied. Returns the ``extra`` dict given to
+      :func:`save` (``None`` if none was given).
+    * a bare ``torch.distributed.checkpoint`` directory written by FSDP2 (``get_state_dict``'s
+      model and optimizer), torchtitan, or Megatron-FSDP (``{"model": model.state_dict(),
+      "optimizer": optimizer.state_dict()}``); where the model and optimizer sit is found from
+      the keys and the model's own names (``model_key`` / ``optim_key`` choose when the
+      checkpoint holds several candidates, e.g. an EMA copy). Returns the checkpoint's other
+      entries nested as saved (torchtitan: ``lr_scheduler``, ``dataloader``, ``train_state``),
+      tensors on the CPU.
+
+    Hugging Face safetensors are loaded with :func:`load_hf`.
     """
     path = _files.as_path(path)
     _refuse_expert_parallel(model)
-    torch_optimizer = unwrap_optimizer(optimizer)
+    kind = detect(path)
+    if kind == HF:
+        raise CheckpointFormatError(f"{path} holds Hugging Face safetensors weights (no optimizer state): load "
+                                    "them with fsdp_impl.checkpoint.load_hf(path, model)")
+    if kind == DCP:
+        _, others = load_foreign(path, str(path), model, optimizer, model_key=model_key, optim_key=optim_key)
+        return others
+    torch_optimizer = None if optimizer is None else unwrap_optimizer(optimizer)
     manifest, data, metadata, side = _open(path)
+    if manifest["version"] == _files.TORCH_DCP_VERSION:
+        if torch_optimizer is not None:  # the groups are matched by name below, wrapped or not
+            check_optimizer_class(manifest["optimizer"]["class"], torch_optimizer)
+        load_foreign(data, str(path), model, optimizer, model_key="model", optim_key="optim")
+        return side["extra"]
 
     model_sd, original_keys = model_state(model)
     check_model_matches(model_sd, metadata, path)
-    check_optimizer_matches(manifest["optimizer"], model, torch_optimizer)
+    state: dict[str, Any] = {MODEL_KEY: model_sd}
+    if torch_optimizer is not None:
+        check_optimizer_matches(manifest["optimizer"], model, torch_optimizer)
 
-    def entry(name: str, key: str) -> Any:
-        full = f"{OPTIM_KEY}.{name}.{key}"
-        if full not in metadata.state_dict_metadata:
-            raise CheckpointCorruptedError(f"checkpoint {path}: {_files.MANIFEST_NAME} lists '{full}' "
-                                           "but the DCP metadata does not")
-        return metadata.state_dict_metadata[full]
+        def entry(name: str, key: str) -> Any:
+            full = f"{OPTIM_KEY}.{name}.{key}"
+            if full not in metadata.state_dict_metadata:
+                raise CheckpointCorruptedError(f"checkpoint {path}: {_files.MANIFEST_NAME} lists '{full}' "
+                                               "but the DCP metadata does not")
+            return metadata.state_dict_metadata[full]
 
-    optim_state = empty_optimizer_state(manifest["optimizer"], model, entry)
-    state = {MODEL_KEY: model_sd, OPTIM_KEY: optim_state}
+        state[OPTIM_KEY] = empty_optimizer_state(manifest["optimizer"], model, entry)
     try:
         dcp.load(state, storage_reader=FileSystemReader(data), no_dist=not _comm.is_distributed())
     except CheckpointException as e:
         raise CheckpointCorruptedError(f"reading checkpoint {path} failed: {e}") from e
     _install_model_state(model, state[MODEL_KEY], original_keys)
-    install_optimizer_state(model, torch_optimizer, state[OPTIM_KEY], side["param_groups"])
+    if torch_optimizer is not None:
+        install_optimizer_state(model, torch_optimizer, state[OPTIM_KEY], side["param_groups"])
     return side["extra"]
 
 
@@ -164,7 +215,7 @@ def _open(path: Path) -> tuple[dict, Path, Any, dict]:
     error: Exception | None = None
     try:
         manifest = _files.read_manifest(path)
-        data = _layout.data_dir(path, manifest)
+        data = path if manifest["version"] == _files.TORCH_DCP_VERSION else _layout.data_dir(path, manifest)
     except CheckpointError as e:
         error = e
     _comm.raise_if_any_failed(error, f"opening checkpoint {path}", CheckpointCorruptedError)
@@ -195,7 +246,8 @@ def data_dir(path: str | os.PathLike) -> Path:
     ``path``, for tools that read DCP directly (``FileSystemReader(data_dir(path))``). Not a
     collective; the manifest is not verified against the files."""
     path = _files.as_path(path)
-    return _layout.data_dir(path, _files.read_manifest(path))
+    manifest = _files.read_manifest(path)
+    return path if manifest["version"] == _files.TORCH_DCP_VERSION else _layout.data_dir(path, manifest)
 
 
 def _install_model_state(model: nn.Module, loaded: dict[str, Any], original_keys: dict[str, str]) -> None:

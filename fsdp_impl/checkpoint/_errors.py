@@ -26,3 +26,8 @@ class CheckpointCorruptedError(CheckpointError, RuntimeError):
 
 class CheckpointWriteError(CheckpointError, RuntimeError):
     """Saving failed; any previous checkpoint at the target path is left untouched."""
+
+
+class CheckpointFormatError(CheckpointError, ValueError):
+    """``path`` holds no checkpoint in a format this package reads (named in the message), or its
+    layout is ambiguous (several candidate prefixes: pass ``model_key=`` / ``optim_key=``)."""

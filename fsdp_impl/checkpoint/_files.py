@@ -22,7 +22,8 @@ EXTRA_NAME = "extra.pt"
 DCP_METADATA_NAME = ".metadata"
 FORMAT_NAME = "fsdp_impl.checkpoint"
 FORMAT_VERSION = 2  # data in a directory the manifest names (1, never released, kept it next to the manifest)
-READABLE_VERSIONS = (2,)
+TORCH_DCP_VERSION = 3  # save(format="torch_dcp"): FSDP2's layout, DCP files directly in the checkpoint directory
+READABLE_VERSIONS = (2, 3)
 
 _CHUNK = 1 << 20
 
@@ -78,11 +79,11 @@ def my_share(names: list[str], rank: int, world_size: int) -> list[str]:
 
 
 def new_manifest(optimizer: Mapping[str, Any], files: Mapping[str, Any], world_size: int,
-                 torch_version: str) -> dict[str, Any]:
+                 torch_version: str, version: int = FORMAT_VERSION) -> dict[str, Any]:
     """The manifest of a new checkpoint (``_layout.commit`` adds the data directory's name)."""
     return {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": version,
         "saved_world_size": world_size,
         "torch_version": torch_version,
         "optimizer": optimizer,
@@ -90,7 +91,7 @@ def new_manifest(optimizer: Mapping[str, Any], files: Mapping[str, Any], world_s
     }
 
 
-def _leftovers(path: Path) -> list[str]:
+def leftovers(path: Path) -> list[str]:
     """Sibling temp/aside directories that hint at an interrupted save."""
     if not path.parent.is_dir():
         return []
@@ -101,7 +102,7 @@ def _leftovers(path: Path) -> list[str]:
 def read_manifest(path: Path) -> dict[str, Any]:
     """Open a checkpoint directory: clear errors for a missing, foreign or damaged one."""
     if not path.exists():
-        hint = _leftovers(path)
+        hint = leftovers(path)
         more = f" (found leftovers of an interrupted save: {', '.join(hint)})" if hint else ""
         raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist{more}")
     if not path.is_dir():

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..dcp_optim_state import PlaceholderStateHook, user_optimizer_class
 from ._errors import CheckpointMismatchError
 
 MODEL_KEY = "model"
@@ -115,11 +116,16 @@ class OptimizerSnapshot:
     hyperparameters: list[dict[str, Any]]  # param_groups without "params"/"param_names"
 
 
-def snapshot_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> OptimizerSnapshot:
-    """Re-key the optimizer's state and param groups by parameter name."""
+def snapshot_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer,
+                       placeholders: bool = False) -> OptimizerSnapshot:
+    """Re-key the optimizer's state and param groups by parameter name. ``placeholders``: list
+    the state a first step would create for params without state (``dcp_optim_state``), as
+    FSDP2's ``get_state_dict`` does, so FSDP2 finds every entry it expects."""
     names = group_param_names(model, optimizer)
     params = parameters_by_name(model)
     sd = optimizer.state_dict()
+    if placeholders:
+        sd = PlaceholderStateHook()(optimizer, sd)
     to_name = _index_to_name(names, sd)
     state: dict[str, dict[str, Any]] = {}
     kinds: dict[str, dict[str, str]] = {}
@@ -133,20 +139,11 @@ def snapshot_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> Op
     return OptimizerSnapshot(state=state, description=description, hyperparameters=hyper)
 
 
-def user_optimizer_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
-    """The user's optimizer class: ``fully_shard`` swaps in a one-off subclass ``FSDP<Name>``
-    (bases: a mixin and the user's class), which this looks through."""
-    cls = type(optimizer)
-    while len(cls.__bases__) > 1 and cls.__name__ == f"FSDP{cls.__bases__[-1].__name__}":
-        cls = cls.__bases__[-1]
-    return cls
-
-
 def optimizer_class_name(optimizer: torch.optim.Optimizer) -> str:
     return user_optimizer_class(optimizer).__name__
 
 
-def _check_optimizer_class(saved: str, optimizer: torch.optim.Optimizer) -> None:
+def check_optimizer_class(saved: str, optimizer: torch.optim.Optimizer) -> None:
     """Another optimizer's state (Adam's moments into SGD) would load and then fail or
     silently misbehave in ``step()``; refuse it here."""
     current = optimizer_class_name(optimizer)
@@ -161,7 +158,7 @@ def check_optimizer_matches(saved: Mapping[str, Any], model: nn.Module, optimize
                             limit: int = 5) -> None:
     """Raise ``CheckpointMismatchError`` if the optimizer class differs or the param groups
     differ in count or parameter names."""
-    _check_optimizer_class(saved["class"], optimizer)
+    check_optimizer_class(saved["class"], optimizer)
     current = group_param_names(model, optimizer)
     saved_groups: list[list[str]] = saved["param_groups"]
     if len(saved_groups) != len(current):

@@ -39,6 +39,12 @@ L0_CELLS = (
     # leaves stale compute weights, drops the optimizer state or advances Adam's step shows)
     "test_checkpoint_dist_errors.py::test_state_dicts_are_dtensors_with_global_shapes[optim_grads_params]",
     "test_checkpoint_resume.py::test_resume_is_bit_exact[ws2-transformer-optim-outer_none]",
+    # checkpoints across engines: FSDP2 (world 4) into ours at world 2 and ours (world 4, torch_dcp)
+    # into FSDP2 at world 2, bit for bit against the other engine's continuation; Hugging Face
+    # export/import of a tied Qwen3 (skips without transformers, naming it)
+    "test_checkpoint_interop.py::test_fsdp2_checkpoint_continues_in_ours_like_in_fsdp2[fsdp2_torch-zero3]",
+    "test_checkpoint_interop.py::test_our_checkpoint_continues_in_fsdp2_like_in_ours[ours_zero3-to-zero3]",
+    "test_checkpoint_hf.py::test_hf_export_matches_from_pretrained_and_imports_exactly[qwen3_tied]",
     # decoupled grads: present after sync (empty shards included), clipping, and the losses
     "test_decoupled_grad.py::TestDecoupledGrad::test_decoupled_grads_present_after_sync[3-ws2]",
     "test_decoupled_grad.py::TestDecoupledGrad::test_clip_norm_matches_reference[3-ws2]",

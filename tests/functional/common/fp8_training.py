@@ -61,15 +61,19 @@ class Fp8Net(nn.Module):
 
 
 def build(recipe: str | None, fp8_params: bool = True, meta: bool = False, seed: int = 0,
-          recompute: bool = False) -> nn.Module:
+          recompute: bool = False, init_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """The model (``recipe=None``: plain bf16), same weights for the same seed, eager or meta;
-    ``recompute``: each block's MLP recomputed in the backward."""
+    ``recompute``: each block's MLP recomputed in the backward. ``init_dtype=torch.float32`` draws
+    the weights in fp32 and casts (the golden cells: their bits then do not depend on torch's bf16
+    random path); meta init materialises in bf16, so the default keeps eager and meta alike."""
+    if meta and init_dtype != torch.bfloat16:
+        raise ValueError(f"init_dtype={init_dtype} needs meta=False (meta init materialises in bf16)")
     torch.manual_seed(seed)
     if meta:
         with torch.device("meta"):
             model = Fp8Net(recompute=recompute)
-    else:  # initialised in fp32 and cast: the weights do not depend on torch's bf16 random path
-        model = Fp8Net(dtype=torch.float32, recompute=recompute).to(torch.bfloat16)
+    else:
+        model = Fp8Net(dtype=init_dtype, recompute=recompute).to(torch.bfloat16)
     if recipe is None:
         return model
     keep_head = recipe == "blockwise"

@@ -164,7 +164,8 @@ def _build(cell: Cell, device: torch.device) -> tuple[nn.Module, list[type[nn.Mo
         def fp8_batch(step: int, slot: int, slots: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
             x, y = fp8_training.batch(step, slot, 0)
             return (x,), y
-        return fp8_training.build(cell.recipe), [fp8_training.Fp8Block], fp8_batch, fp8_training.loss_fn
+        model = fp8_training.build(cell.recipe, init_dtype=torch.float32)
+        return model, [fp8_training.Fp8Block], fp8_batch, fp8_training.loss_fn
     if cell.model == "te":
         from . import te_fp8
 

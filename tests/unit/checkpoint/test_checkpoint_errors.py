@@ -189,13 +189,21 @@ def test_group_membership_difference_is_reported(tmp_path: Path) -> None:
         checkpoint.load(tmp_path / "ck", m, torch.optim.Adam(swapped))
 
 
-def test_bare_dcp_checkpoint_is_recognised(tmp_path: Path) -> None:
+def test_bare_model_only_dcp_checkpoint_loads_the_model_only(tmp_path: Path) -> None:
+    """A bare DCP directory without optimizer state: refused with an optimizer (naming why),
+    loaded with ``optimizer=None``."""
     import torch.distributed.checkpoint as dcp
 
+    source = make_trainer(seed=3)
+    dcp.save({"model": source.model.state_dict()}, checkpoint_id=str(tmp_path / "bare"), no_dist=True)
     t = _fresh()
-    dcp.save({"model": t.model.state_dict()}, checkpoint_id=str(tmp_path / "bare"), no_dist=True)
-    with pytest.raises(CheckpointNotFoundError, match="it is a bare DCP checkpoint"):
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    with pytest.raises(CheckpointMismatchError, match="holds no optimizer state; pass optimizer=None"):
         checkpoint.load(tmp_path / "bare", t.model, t.optimizer)
+    assert all(torch.equal(before[n], p) for n, p in t.model.named_parameters()), "a refused load changed the model"
+    assert checkpoint.load(tmp_path / "bare", t.model, None) == {}
+    for name, p in source.model.state_dict().items():
+        assert torch.equal(t.model.state_dict()[name], p), name
 
 
 def test_newer_format_version_is_refused(saved: Path) -> None:
