@@ -27,7 +27,7 @@ from .module import FullyShardedModule
 from .offload import OffloadPolicy
 from .offload_optim import check_offload_optimizer
 from .optimizer_binding import ENGINE_REF_ATTR, attach_engines, param_mapping, remap_optimizer_params
-from .policy import MixedPrecisionPolicy, ShardingStrategy, parse_strategy
+from .policy import MixedPrecisionPolicy, ShardingStrategy, check_bool, parse_strategy
 from .validation import check_not_wrapped
 
 Strategy = str | int
@@ -180,9 +180,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
     params that have not been stepped yet, so ``torch.distributed.checkpoint.load`` can load a
     checkpoint into a fresh optimizer (see ``fsdp_impl.dcp_optim_state``)."""
     _check_optimizer(optimizer)
-    if not isinstance(preproc_state_dict_for_dcp_ckpt, bool):
-        raise TypeError(f"preproc_state_dict_for_dcp_ckpt must be True or False, "
-                        f"got {preproc_state_dict_for_dcp_ckpt!r}")
+    check_bool("preproc_state_dict_for_dcp_ckpt", preproc_state_dict_for_dcp_ckpt)
     return _bind_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt)
 
 

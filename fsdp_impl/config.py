@@ -36,7 +36,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 from .offload import OffloadPolicy, checked_policy
-from .policy import MixedPrecisionPolicy, ShardingStrategy
+from .policy import MixedPrecisionPolicy, ShardingStrategy, check_bool
 from .unshard_storage import UnshardStorage
 
 
@@ -77,9 +77,7 @@ class FSDPConfig:
                             f"got {self.mixed_precision_policy!r}")
         checked_policy(self.offload_policy)
         for name in BOOL_SWITCHES:
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
+            check_bool(name, getattr(self, name))
         if self.nccl_ub and self.offload_policy is not None:
             raise ValueError("nccl_ub=True cannot be combined with offload_policy: NCCL registers device memory, "
                              "and offloaded shards live in host memory; pass one of them")
