@@ -38,7 +38,8 @@ from .offload import ModelOffload, check_offload, check_window
 from .optimizer_binding import ENGINE_REF_ATTR
 from .parallel_dims import ParallelDims, attach_tp_specs, check_gather_group, resolve_parallel_dims
 from .param import ManagedParam
-from .unit import FSDPUnit, UnitContext, attach_unshard_pool
+from .unit import FSDPUnit, attach_unshard_pool
+from .unit_context import UnitContext
 from .validation import validate
 
 EXPERT_SUFFIX = "[experts]"

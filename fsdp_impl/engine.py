@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_flatten
 from . import comm
 from .grad_reduce import OuterGradReducer
 from .param import ManagedParam
-from .unit import FSDPUnit, TrainingState, UnitContext
+from .unit import FSDPUnit, TrainingState
+from .unit_context import UnitContext
 from .unshard_storage import GatherPhase
 
 if TYPE_CHECKING:
