@@ -28,12 +28,11 @@ import time
 import traceback
 from pathlib import Path
 
-from bench import cli, fp8_bench, impls, runtime
+from bench import cli, impls, runtime
 from bench.runtime import GIB, Env
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    fp8_bench.register()  # the FP8 implementations are cells too (bench.fp8_bench)
     p = cli.parser(__doc__)
     p.add_argument("--impl", choices=list(impls.IMPLS), required=True)
     p.add_argument("--size", choices=list(impls.SIZES), required=True)

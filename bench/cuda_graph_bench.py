@@ -91,9 +91,9 @@ def _build(cfg: GPTConfig, env: Env, mode: str):
     if fp8 is not None:
         import transformer_engine.pytorch as te
 
-        from bench import fp8_bench
-        recipe = fp8_bench.te_recipe(fp8)
-        fp8_bench.te_linears(module, recipe, fp8_params=True)
+        from bench import te_modules
+        recipe = te_modules.te_recipe(fp8)
+        te_modules.te_linears(module, recipe, fp8_params=True)
         autocast = functools.partial(te.autocast, recipe=recipe)
     opt: torch.optim.Optimizer
     if optim == "torch":

@@ -7,7 +7,7 @@ The TE cells need TransformerEngine with its PyTorch extension, built for the in
 CUDA (``pip install --no-build-isolation 'transformer_engine[pytorch]'``, see TE's installation
 guide); without it they are skipped with the reason. Runs ``bench.suite`` (each cell in its own
 process, implementations alternating inside each repetition, medians, peak memory, the same init
-and data) with these implementations added:
+and data) with these implementations (listed in ``bench.impls``):
 
 - ``ours-fp8-te-current`` / ``ours-fp8-te-delayed``: the bench GPT whose block linears (qkv,
   proj, fc1, fc2) are ``te.Linear`` built under ``te.quantized_model_init`` with
@@ -43,20 +43,11 @@ Float8CurrentScaling >= 1.2x the throughput of ``ours-z3`` at no higher peak mem
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
 import sys
-from typing import Any
-
-import torch
-from torch import nn
 
 from bench import impls, report
-from bench.gpt import Block
-from bench.runtime import Env
 
-BLOCK_LINEARS = ("qkv", "proj", "fc1", "fc2")
 # (implementation, reference, throughput ratio needed, peak memory no higher than the reference's):
 # the issue's targets for TE current scaling, then the same lines for the fused-optimizer variants
 # and the delayed and block recipes (reported when both sides ran)
@@ -67,145 +58,8 @@ _REPORTED = [(f"ours-fp8-te-{kind}{fused}", ref, need, peak)
              for fused in ("", "-fused")
              for ref, need, peak in ((f"ours-z3{fused}", 1.2, True), (f"te-fp8-ref{suffix}", 0.95, False))]
 DEFAULT = ["ours-z3", "fsdp2", "ours-fp8-te-current", "ours-fp8-te-delayed", "te-fp8-ref"]
-
-
-class TeAutocast(nn.Module):
-    """Runs the wrapped model's forward under ``te.autocast(recipe)`` (the backward follows it)."""
-
-    def __init__(self, model: nn.Module, recipe: Any) -> None:
-        super().__init__()
-        self.model, self.recipe = model, recipe
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        import transformer_engine.pytorch as te
-        with te.autocast(recipe=self.recipe):
-            return self.model(tokens)
-
-
-class _CopyInit:
-    """A TE ``init_method`` that starts the weight from the bf16 model's value, then lets go of
-    it (TE keeps its init methods, which would keep the old weights alive)."""
-
-    def __init__(self, source: torch.Tensor) -> None:
-        self.source: torch.Tensor | None = source
-
-    def __call__(self, weight: torch.Tensor) -> None:
-        if self.source is None:
-            raise RuntimeError("this init method copies its source once (build a fresh model instead)")
-        with torch.no_grad():
-            weight.copy_(self.source)
-        self.source = None
-
-
-def te_linears(module: nn.Module, recipe: Any, fp8_params: bool) -> None:
-    """Swap each block's linears for ``te.Linear`` with the same weights and biases."""
-    import transformer_engine.pytorch as te
-    init = (te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True) if fp8_params
-            else contextlib.nullcontext())
-    with init:
-        for block in module.blocks:  # type: ignore[union-attr]
-            for name in BLOCK_LINEARS:
-                old: nn.Linear = getattr(block, name)
-                new = te.Linear(old.in_features, old.out_features, params_dtype=old.weight.dtype,
-                                device=old.weight.device, init_method=_CopyInit(old.weight.detach()))
-                with torch.no_grad():
-                    new.bias.copy_(old.bias)
-                setattr(block, name, new)
-
-
-def te_recipe(kind: str) -> Any:
-    from transformer_engine.common import recipe as r
-    return {"current": r.Float8CurrentScaling, "delayed": r.DelayedScaling, "block": r.Float8BlockScaling}[kind]()
-
-
-def _fsdp(module: nn.Module, env: Env, keep_transpose: bool, fused: bool = False
-          ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    import fsdp_impl
-    policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=impls.LR, fused=fused or None)  # None: torch's default
-    return fsdp_impl.fully_shard(module, optimizer,
-                                 fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params",
-                                 mixed_precision_policy=policy, keep_fp8_transpose_cache=keep_transpose,
-                                 **impls.flat_mesh(env))
-
-
-def _ours_te(kind: str, fp8_params: bool, keep: bool, module: nn.Module, env: Env, fused: bool = False
-             ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    recipe = te_recipe(kind)
-    te_linears(module, recipe, fp8_params)
-    model, opt = _fsdp(module, env, keep_transpose=keep, fused=fused)
-    return TeAutocast(model, recipe), opt
-
-
-def _ours_bf16_fused(module: nn.Module, env: Env) -> tuple[nn.Module, torch.optim.Optimizer]:
-    return _fsdp(module, env, keep_transpose=False, fused=True)
-
-
-def _te_reference(kind: str, module: nn.Module, env: Env) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """TE's own FP8 model without data parallelism: ``te.Linear`` FP8 parameters, a plain module,
-    TE's ``FusedAdam`` keeping fp32 master weights (AdamW, the suite's lr, torch's default weight
-    decay 0.01)."""
-    from transformer_engine.pytorch.optimizers import FusedAdam
-    recipe = te_recipe(kind)
-    te_linears(module, recipe, fp8_params=True)
-    for p in module.parameters():  # the optimizer's master copies start from the FP8 values
-        clear = getattr(p, "clear_high_precision_init_val", None)
-        if callable(clear):
-            clear()
-    opt = FusedAdam(module.parameters(), lr=impls.LR, weight_decay=0.01, adam_w_mode=True, master_weights=True,
-                    master_weight_dtype=torch.float32)
-    return TeAutocast(module, recipe), opt
-
-
-def ours_native(module: nn.Module, env: Env, keep: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Torch-native ``Float8Linear`` FP8 params (current scaling) in the blocks, ZeRO-3
-    (``keep``: ``keep_fp8_transpose_cache``); also ``bench.fp8_host_cpu``'s model."""
-    from fsdp_impl.fp8 import CurrentScaling, convert_to_fp8
-    convert_to_fp8(module, CurrentScaling(), module_filter=lambda name, m: name.startswith("blocks."), fp8_params=True)
-    return _fsdp(module, env, keep_transpose=keep)
-
-
-_FP8 = "ZeRO-3, bf16 module, fp32 main params + grads, units = blocks, block linears"
-FP8_IMPLS = [
-    impls.Impl("ours-fp8-te-current", f"fsdp_impl {_FP8} te.Linear FP8 params (Float8CurrentScaling), keep transposes",
-               functools.partial(_ours_te, "current", True, True), torch.bfloat16, False,
-               needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
-    impls.Impl("ours-fp8-te-current-regather", f"fsdp_impl {_FP8} te.Linear FP8 params (Float8CurrentScaling), "
-               "FP8 bytes gathered again for the backward", functools.partial(_ours_te, "current", True, False),
-               torch.bfloat16, False, needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
-    impls.Impl("ours-fp8-te-delayed", f"fsdp_impl {_FP8} te.Linear FP8 params (DelayedScaling), keep transposes",
-               functools.partial(_ours_te, "delayed", True, True), torch.bfloat16, False,
-               needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
-    impls.Impl("ours-fp8-te-block", f"fsdp_impl {_FP8} te.Linear FP8 params (Float8BlockScaling), keep transposes",
-               functools.partial(_ours_te, "block", True, True), torch.bfloat16, False,
-               needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
-    *[impls.Impl(f"ours-fp8-te-{kind}-fused", f"fsdp_impl {_FP8} te.Linear FP8 params ({name}), keep transposes, "
-                 "torch AdamW fused=True", functools.partial(_ours_te, kind, True, True, fused=True), torch.bfloat16,
-                 False, needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w)
-      for kind, name in (("current", "Float8CurrentScaling"), ("delayed", "DelayedScaling"),
-                         ("block", "Float8BlockScaling"))],
-    impls.Impl("ours-z3-fused", "fsdp_impl ZeRO-3 (optim_grads_params), bf16 module, fp32 main params + grads, "
-               "units = blocks, torch AdamW fused=True", _ours_bf16_fused, torch.bfloat16, False,
-               persistent_bytes=lambda w: 16.0 / w),
-    impls.Impl("ours-fp8-te-current-bf16params", f"fsdp_impl {_FP8} te.Linear bf16 params, FP8 compute (current)",
-               functools.partial(_ours_te, "current", False, False), torch.bfloat16, False,
-               needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
-    impls.Impl("ours-fp8-native-current", f"fsdp_impl {_FP8} Float8Linear FP8 params (torch-native current)",
-               ours_native, torch.bfloat16, False, persistent_bytes=lambda w: 16.0 / w),
-    *[impls.Impl(f"te-fp8-ref{suffix}", f"TransformerEngine alone, no FSDP / data parallelism: bf16 module, block "
-                 f"linears te.Linear FP8 params ({name}), te.FusedAdam(master_weights=True) fp32 master + moments",
-                 functools.partial(_te_reference, kind), torch.bfloat16, False, needs_module="transformer_engine",
-                 persistent_bytes=lambda w: 16.0)
-      for suffix, kind, name in (("", "current", "Float8CurrentScaling"), ("-delayed", "delayed", "DelayedScaling"),
-                                 ("-block", "block", "Float8BlockScaling"))],
-]
-
-
-def register() -> None:
-    """Add the FP8 implementations to the suite's table (done in ``main`` only, so importing this
-    module leaves the suite's defaults alone)."""
-    for impl in FP8_IMPLS:
-        impls.IMPLS.setdefault(impl.name, impl)
+# The FP8 implementations (listed in ``bench.impls`` with the others).
+FP8_IMPLS = impls.FP8_IMPLS
 
 
 def target_line(rows: list[dict]) -> str:
@@ -229,7 +83,6 @@ def target_line(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    register()
     argv = list(sys.argv[1:] if argv is None else argv)
     given = {a.split("=")[0] for a in argv}
     defaults = {"--impls": ",".join(DEFAULT), "--reps": "2", "--steps": "8", "--out": "fp8_bench.jsonl"}

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from bench import cli, fp8_bench, host_profile, impls
+from bench import cli, host_profile, impls
 from bench.gpt import GPTConfig
 from bench.runtime import Env
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     def body(env: Env) -> None:
         name = "ours-fp8-native-cpu-bench"
         impls.IMPLS[name] = impls.Impl(name, "native FP8 params",
-                                       lambda m, e: fp8_bench.ours_native(m, e, keep=not args.regather),
+                                       lambda m, e: impls.ours_native(m, e, keep=not args.regather),
                                        torch.bfloat16, False)
         cfg = GPTConfig(vocab=256, hidden=args.hidden, layers=args.layers, heads=4, seq=32)
         trainee = impls.build(name, cfg, env, args.micro_batch)

@@ -51,7 +51,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from bench import cli, fp8_bench, impls, runtime
+from bench import cli, impls, runtime
 from bench.runtime import Env
 
 ENGINE_ENTRY_POINTS = ("pre_forward", "submodule_pre_forward", "post_forward", "pre_backward", "grad_ready",
@@ -291,7 +291,6 @@ def run_one(env: Env, name: str, size: str, micro_batch: int, warmup: int, steps
 
 
 def main(argv: list[str] | None = None) -> int:
-    fp8_bench.register()
     p = cli.parser(__doc__)
     p.add_argument("--impls", type=cli.csv_list(list(impls.IMPLS)), default=["ours-z3", "ours-fp8-te-current"])
     p.add_argument("--size", choices=list(impls.SIZES), default="1.3b")

@@ -41,6 +41,7 @@ from torch import nn
 
 from bench.gpt import GPT, Block, GPTConfig, apply_recompute
 from bench.runtime import Env
+from bench.te_modules import TeAutocast, te_linears, te_recipe
 
 SIZES: dict[str, GPTConfig] = {
     "tiny": GPTConfig(vocab=512, hidden=64, layers=2, heads=4, seq=64),  # CPU smoke runs
@@ -226,6 +227,93 @@ IMPLS["ours-z3+ub-local"] = dataclasses.replace(
 # selective recompute inside each block; FSDP2 gets exactly the same model changes.
 IMPLS.update({v.name: v for base in ("ours-z3", "fsdp2") for style, label in (("full", "ac"), ("selective", "sac"))
               for v in (_with_recompute(IMPLS[base], style, label),)})
+
+
+# FP8 implementations (not in the default set; ``bench.fp8_bench`` runs them): TransformerEngine
+# ``te.Linear`` FP8 params (``bench.te_modules``), torch-native ``Float8Linear``, TE's own model
+# without data parallelism as the reference, and fused-AdamW variants.
+def _fsdp(module: nn.Module, env: Env, keep_transpose: bool, fused: bool = False
+          ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    import fsdp_impl
+    policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR, fused=fused or None)  # None: torch's default
+    return fsdp_impl.fully_shard(module, optimizer,
+                                 fsdp_unit_modules=[Block], zero_dp_strategy="optim_grads_params",
+                                 mixed_precision_policy=policy, keep_fp8_transpose_cache=keep_transpose,
+                                 **flat_mesh(env))
+
+
+def _ours_te(kind: str, fp8_params: bool, keep: bool, module: nn.Module, env: Env, fused: bool = False
+             ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    recipe = te_recipe(kind)
+    te_linears(module, recipe, fp8_params)
+    model, opt = _fsdp(module, env, keep_transpose=keep, fused=fused)
+    return TeAutocast(model, recipe), opt
+
+
+def _ours_bf16_fused(module: nn.Module, env: Env) -> tuple[nn.Module, torch.optim.Optimizer]:
+    return _fsdp(module, env, keep_transpose=False, fused=True)
+
+
+def _te_reference(kind: str, module: nn.Module, env: Env) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """TE's own FP8 model without data parallelism: ``te.Linear`` FP8 parameters, a plain module,
+    TE's ``FusedAdam`` keeping fp32 master weights (AdamW, the suite's lr, torch's default weight
+    decay 0.01)."""
+    from transformer_engine.pytorch.optimizers import FusedAdam
+    recipe = te_recipe(kind)
+    te_linears(module, recipe, fp8_params=True)
+    for p in module.parameters():  # the optimizer's master copies start from the FP8 values
+        clear = getattr(p, "clear_high_precision_init_val", None)
+        if callable(clear):
+            clear()
+    opt = FusedAdam(module.parameters(), lr=LR, weight_decay=0.01, adam_w_mode=True, master_weights=True,
+                    master_weight_dtype=torch.float32)
+    return TeAutocast(module, recipe), opt
+
+
+def ours_native(module: nn.Module, env: Env, keep: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Torch-native ``Float8Linear`` FP8 params (current scaling) in the blocks, ZeRO-3
+    (``keep``: ``keep_fp8_transpose_cache``); also ``bench.fp8_host_cpu``'s model."""
+    from fsdp_impl.fp8 import CurrentScaling, convert_to_fp8
+    convert_to_fp8(module, CurrentScaling(), module_filter=lambda name, m: name.startswith("blocks."), fp8_params=True)
+    return _fsdp(module, env, keep_transpose=keep)
+
+
+_FP8 = "ZeRO-3, bf16 module, fp32 main params + grads, units = blocks, block linears"
+FP8_IMPLS = (
+    Impl("ours-fp8-te-current", f"fsdp_impl {_FP8} te.Linear FP8 params (Float8CurrentScaling), keep transposes",
+               functools.partial(_ours_te, "current", True, True), torch.bfloat16, False,
+               needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
+    Impl("ours-fp8-te-current-regather", f"fsdp_impl {_FP8} te.Linear FP8 params (Float8CurrentScaling), "
+               "FP8 bytes gathered again for the backward", functools.partial(_ours_te, "current", True, False),
+               torch.bfloat16, False, needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
+    Impl("ours-fp8-te-delayed", f"fsdp_impl {_FP8} te.Linear FP8 params (DelayedScaling), keep transposes",
+               functools.partial(_ours_te, "delayed", True, True), torch.bfloat16, False,
+               needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
+    Impl("ours-fp8-te-block", f"fsdp_impl {_FP8} te.Linear FP8 params (Float8BlockScaling), keep transposes",
+               functools.partial(_ours_te, "block", True, True), torch.bfloat16, False,
+               needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
+    *[Impl(f"ours-fp8-te-{kind}-fused", f"fsdp_impl {_FP8} te.Linear FP8 params ({name}), keep transposes, "
+                 "torch AdamW fused=True", functools.partial(_ours_te, kind, True, True, fused=True), torch.bfloat16,
+                 False, needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w)
+      for kind, name in (("current", "Float8CurrentScaling"), ("delayed", "DelayedScaling"),
+                         ("block", "Float8BlockScaling"))],
+    Impl("ours-z3-fused", "fsdp_impl ZeRO-3 (optim_grads_params), bf16 module, fp32 main params + grads, "
+               "units = blocks, torch AdamW fused=True", _ours_bf16_fused, torch.bfloat16, False,
+               persistent_bytes=lambda w: 16.0 / w),
+    Impl("ours-fp8-te-current-bf16params", f"fsdp_impl {_FP8} te.Linear bf16 params, FP8 compute (current)",
+               functools.partial(_ours_te, "current", False, False), torch.bfloat16, False,
+               needs_module="transformer_engine", persistent_bytes=lambda w: 16.0 / w),
+    Impl("ours-fp8-native-current", f"fsdp_impl {_FP8} Float8Linear FP8 params (torch-native current)",
+               ours_native, torch.bfloat16, False, persistent_bytes=lambda w: 16.0 / w),
+    *[Impl(f"te-fp8-ref{suffix}", f"TransformerEngine alone, no FSDP / data parallelism: bf16 module, block "
+                 f"linears te.Linear FP8 params ({name}), te.FusedAdam(master_weights=True) fp32 master + moments",
+                 functools.partial(_te_reference, kind), torch.bfloat16, False, needs_module="transformer_engine",
+                 persistent_bytes=lambda w: 16.0)
+      for suffix, kind, name in (("", "current", "Float8CurrentScaling"), ("-delayed", "delayed", "DelayedScaling"),
+                                 ("-block", "block", "Float8BlockScaling"))],
+)
+IMPLS.update({i.name: i for i in FP8_IMPLS})
 
 
 def unavailable_reason(name: str, world: int, fake: bool = False) -> str | None:

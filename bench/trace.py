@@ -162,9 +162,6 @@ def drive(world: World, size: str, names: list[str], out_dir: Path, micro_batch:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from bench import fp8_bench
-
-    fp8_bench.register()  # FP8 implementations can be profiled too
     p = cli.parser(__doc__)
     p.add_argument("--impls", type=cli.csv_list(list(impls.IMPLS)), default=["ours-z3", "fsdp2"])
     p.add_argument("--size", choices=list(impls.SIZES), default="1.3b")

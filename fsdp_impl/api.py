@@ -7,6 +7,7 @@ with a message naming the argument and the allowed values.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .assembly import MeshArgs, wrap_model
-from .config import FSDPConfig
+from .config import CONFIG_ARGUMENTS, FSDPConfig
 from .dcp_optim_state import PlaceholderStateHook
 from .decoupled import check_decoupled_grad_consistency
 from .device import release_cached_memory
@@ -26,7 +27,7 @@ from .module import FullyShardedModule
 from .offload import OffloadPolicy
 from .offload_optim import check_offload_optimizer
 from .optimizer_binding import ENGINE_REF_ATTR, attach_engines, param_mapping, remap_optimizer_params
-from .policy import MixedPrecisionPolicy, ShardingStrategy, parse_strategy
+from .policy import MixedPrecisionPolicy, ShardingStrategy, check_bool, parse_strategy
 from .validation import check_not_wrapped
 
 Strategy = str | int
@@ -36,9 +37,27 @@ DEFAULT_MIXED_PRECISION_POLICY = MixedPrecisionPolicy()
 _PLACEHOLDER_HOOK_ATTR = "_fsdp_dcp_placeholder_hook"  # set once the state-dict hook is registered
 
 
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
+def _check_optimizer(optimizer: object) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+
+
+def _config(arguments: dict[str, Any]) -> FSDPConfig:
+    """The checked ``FSDPConfig`` of an entry point's arguments (its ``locals()`` on entry: the
+    switches are ``FSDPConfig``'s fields under the same names, so each is named once)."""
+    switches = {name: arguments[name] for name in CONFIG_ARGUMENTS}
+    return FSDPConfig(strategy=parse_strategy(arguments["zero_dp_strategy"]),
+                      outer_strategy=parse_strategy(arguments["outer_dp_sharding_strategy"],
+                                                    "outer_dp_sharding_strategy",
+                                                    (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM)),
+                      **switches)
+
+
+def _wrap(module: nn.Module, config: FSDPConfig, arguments: dict[str, Any]) -> FullyShardedModule:
+    """``assembly.wrap_model`` with the entry point's unit classes, mesh arguments and device."""
+    mesh_args = MeshArgs(**{f.name: arguments[f.name] for f in dataclasses.fields(MeshArgs)})
+    return wrap_model(module, config, resolve_unit_classes(arguments["fsdp_unit_modules"]), mesh_args,
+                      arguments["device"])
 
 
 def fully_shard_model(
@@ -84,27 +103,8 @@ def fully_shard_model(
     does here is described in ``fsdp_impl.config`` and ``fsdp_impl/README.md``. Keyword-only
     extension: ``offload_policy`` (``fsdp_impl.OffloadPolicy``: optimizer state, main params and
     grads in host memory, the step on the CPU or streamed through the GPU)."""
-    config = FSDPConfig(
-        strategy=parse_strategy(zero_dp_strategy),
-        outer_strategy=parse_strategy(outer_dp_sharding_strategy, "outer_dp_sharding_strategy",
-                                      (ShardingStrategy.NO_SHARD, ShardingStrategy.OPTIM)),
-        mixed_precision_policy=mixed_precision_policy, init_model_with_meta_device=init_model_with_meta_device,
-        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-        sync_model_each_microbatch=sync_model_each_microbatch,
-        preproc_state_dict_for_dcp_ckpt=preproc_state_dict_for_dcp_ckpt,
-        report_nan_in_param_grad=report_nan_in_param_grad, average_in_collective=average_in_collective,
-        disable_bucketing=disable_bucketing, calculate_per_token_loss=calculate_per_token_loss,
-        keep_fp8_transpose_cache=keep_fp8_transpose_cache, nccl_ub=nccl_ub, fsdp_double_buffer=fsdp_double_buffer,
-        fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
-        disable_symmetric_registration=disable_symmetric_registration,
-        enable_fine_grained_param_gather=enable_fine_grained_param_gather, use_decoupled_grad=use_decoupled_grad,
-        cuda_graph_mode=cuda_graph_mode, maxpool_double_buffer=maxpool_double_buffer,
-        offload_policy=offload_policy)
-    mesh_args = MeshArgs(device_mesh=device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim, tp_dim=tp_dim,
-                         hybrid_fsdp_group=hybrid_fsdp_group, hybrid_fsdp_expt_group=hybrid_fsdp_expt_group,
-                         expt_device_mesh=expt_device_mesh, fsdp_group_ag=fsdp_group_ag,
-                         expt_fsdp_group_ag=expt_fsdp_group_ag)
-    return wrap_model(module, config, resolve_unit_classes(fsdp_unit_modules), mesh_args, device)
+    arguments = dict(locals())
+    return _wrap(module, _config(arguments), arguments)
 
 
 def fully_shard(
@@ -148,8 +148,8 @@ def fully_shard(
     """``fully_shard_model`` + point ``optimizer``'s param groups at the shards and
     ``fully_shard_optimizer`` (the other arguments, ``offload_policy`` included, are
     ``fully_shard_model``'s)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    arguments = dict(locals())
+    _check_optimizer(optimizer)
     if isinstance(module, nn.Module):
         check_not_wrapped(module)  # before the optimizer check, which would blame the optimizer
         known = {id(p) for p in module.parameters()}
@@ -159,34 +159,16 @@ def fully_shard(
                     raise ValueError(f"optimizer param group {gi} holds a parameter of shape "
                                      f"{tuple(p.shape)} that is not a parameter of module; the "
                                      "optimizer's params must be the model's")
-    _check_bool("use_decoupled_grad", use_decoupled_grad)  # fail before wrapping
-    _check_bool("preproc_state_dict_for_dcp_ckpt", preproc_state_dict_for_dcp_ckpt)
-    check_decoupled_grad_consistency(use_decoupled_grad, optimizer)
-    if cuda_graph_mode is True:
+    config = _config(arguments)  # every switch checked here, before wrapping
+    check_decoupled_grad_consistency(config.use_decoupled_grad, optimizer)
+    if config.cuda_graph_mode:
         check_optimizer_capturable(optimizer)
-    check_offload_optimizer(offload_policy, optimizer)
-    model = fully_shard_model(
-        module, device_mesh=device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim, tp_dim=tp_dim,
-        hybrid_fsdp_group=hybrid_fsdp_group, hybrid_fsdp_expt_group=hybrid_fsdp_expt_group,
-        expt_device_mesh=expt_device_mesh, fsdp_group_ag=fsdp_group_ag, expt_fsdp_group_ag=expt_fsdp_group_ag,
-        fsdp_unit_modules=fsdp_unit_modules, zero_dp_strategy=zero_dp_strategy,
-        outer_dp_sharding_strategy=outer_dp_sharding_strategy, device=device,
-        init_model_with_meta_device=init_model_with_meta_device, mixed_precision_policy=mixed_precision_policy,
-        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-        sync_model_each_microbatch=sync_model_each_microbatch,
-        preproc_state_dict_for_dcp_ckpt=preproc_state_dict_for_dcp_ckpt,
-        report_nan_in_param_grad=report_nan_in_param_grad, average_in_collective=average_in_collective,
-        disable_bucketing=disable_bucketing, calculate_per_token_loss=calculate_per_token_loss,
-        keep_fp8_transpose_cache=keep_fp8_transpose_cache, nccl_ub=nccl_ub, fsdp_double_buffer=fsdp_double_buffer,
-        fsdp_db_use_persist_buf_on_alloc_fail=fsdp_db_use_persist_buf_on_alloc_fail,
-        disable_symmetric_registration=disable_symmetric_registration,
-        enable_fine_grained_param_gather=enable_fine_grained_param_gather, use_decoupled_grad=use_decoupled_grad,
-        cuda_graph_mode=cuda_graph_mode, maxpool_double_buffer=maxpool_double_buffer,
-        offload_policy=offload_policy)
+    check_offload_optimizer(config.offload_policy, optimizer)
+    model = _wrap(module, config, arguments)
     remap_optimizer_params(optimizer, param_mapping(model))
     # the optimizer held the user's original params until now: their memory is free only here
     release_cached_memory(model._fsdp_engine.ctx.device)
-    return model, fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt)
+    return model, _bind_optimizer(optimizer, config.preproc_state_dict_for_dcp_ckpt)
 
 
 def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
@@ -197,9 +179,13 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
     ``preproc_state_dict_for_dcp_ckpt``: ``optimizer.state_dict()`` lists placeholder state for
     params that have not been stepped yet, so ``torch.distributed.checkpoint.load`` can load a
     checkpoint into a fresh optimizer (see ``fsdp_impl.dcp_optim_state``)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    _check_bool("preproc_state_dict_for_dcp_ckpt", preproc_state_dict_for_dcp_ckpt)
+    _check_optimizer(optimizer)
+    check_bool("preproc_state_dict_for_dcp_ckpt", preproc_state_dict_for_dcp_ckpt)
+    return _bind_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt)
+
+
+def _bind_optimizer(optimizer: torch.optim.Optimizer, preproc_state_dict_for_dcp_ckpt: bool) -> torch.optim.Optimizer:
+    """``fully_shard_optimizer`` once its arguments are checked."""
     engines: list[FSDPEngine] = []
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -212,7 +198,7 @@ def fully_shard_optimizer(optimizer: torch.optim.Optimizer,
             if all(engine is not e for e in engines):
                 engines.append(engine)
     for engine in engines:
-        check_decoupled_grad_consistency(engine.use_decoupled_grad, optimizer)
+        check_decoupled_grad_consistency(engine.config.use_decoupled_grad, optimizer)
     if preproc_state_dict_for_dcp_ckpt and not getattr(optimizer, _PLACEHOLDER_HOOK_ATTR, False):
         optimizer.register_state_dict_post_hook(PlaceholderStateHook())
         setattr(optimizer, _PLACEHOLDER_HOOK_ATTR, True)

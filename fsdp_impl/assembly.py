@@ -9,7 +9,6 @@ root) whose params belong to both sets becomes two units driven by the same modu
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -39,7 +38,8 @@ from .offload import ModelOffload, check_offload, check_window
 from .optimizer_binding import ENGINE_REF_ATTR
 from .parallel_dims import ParallelDims, attach_tp_specs, check_gather_group, resolve_parallel_dims
 from .param import ManagedParam
-from .unit import FSDPUnit, UnitContext, attach_unshard_pool
+from .unit import FSDPUnit, attach_unshard_pool
+from .unit_context import UnitContext
 from .validation import validate
 
 EXPERT_SUFFIX = "[experts]"
@@ -61,7 +61,15 @@ class MeshArgs:
     expt_fsdp_group_ag: dist.ProcessGroup | None = None
 
 
-@dataclass
+def dp_size_of(dims: ParallelDims) -> int:
+    """Every data-parallel rank of a group set: the hybrid group under HSDP/HFSDP, else the
+    dp_shard (x cp) group."""
+    if dims.hybrid_group is not None:
+        return dist.get_world_size(dims.hybrid_group)
+    return dims.inner_mesh.size()
+
+
+@dataclass(frozen=True)
 class GroupSet:
     """Resolved groups plus what the units over them are given."""
 
@@ -69,26 +77,15 @@ class GroupSet:
     scaling: GradScaling
     gather_group: dist.ProcessGroup | None = None
 
-    @property
-    def dp_size(self) -> int:
-        """Every data-parallel rank of this set: the hybrid group under HSDP/HFSDP, else the
-        dp_shard (x cp) group."""
-        if self.dims.hybrid_group is not None:
-            return dist.get_world_size(self.dims.hybrid_group)
-        return self.dims.inner_mesh.size()
 
-
-def make_context(groups: GroupSet, config: FSDPConfig, device: torch.device, streams: CommStreams) -> UnitContext:
+def make_context(groups: GroupSet, config: FSDPConfig, device: torch.device, streams: CommStreams,
+                 user_buffers: UserBuffers | None) -> UnitContext:
     """The context of the units over ``groups`` (``two_level_groups`` is a collective)."""
     group = groups.dims.shard_group or groups.dims.shard_mesh.get_group()
-    return UnitContext(strategy=config.strategy, shard_mesh=groups.dims.shard_mesh, group=group,
-                       plan=groups.dims.plan, rank=dist.get_rank(group), world=dist.get_world_size(group),
-                       device=device, policy=config.mixed_precision_policy, streams=streams,
+    return UnitContext(config=config, shard_mesh=groups.dims.shard_mesh, group=group, plan=groups.dims.plan,
+                       rank=dist.get_rank(group), world=dist.get_world_size(group), device=device, streams=streams,
                        two_level=two_level_groups(groups.dims, device), grad_scaling=groups.scaling,
-                       gather_group=groups.gather_group, prefetch=config.overlap_param_gather,
-                       graph_mode=config.cuda_graph_mode, unshard=config.unshard,
-                       fp8_setup=functools.partial(unit_fp8, keep_transpose=config.keep_fp8_transpose_cache),
-                       fine_grained=config.enable_fine_grained_param_gather, offload=config.offload_policy)
+                       gather_group=groups.gather_group, fp8_setup=unit_fp8, user_buffers=user_buffers)
 
 
 @dataclass
@@ -225,12 +222,11 @@ def wrap_model(module: nn.Module, config: FSDPConfig, classes: tuple[type[nn.Mod
     # rank-independent: which groups, by role and size, in which order (ranks differ per replica)
     items.append(("nccl_ub registration order (group, size)", [(n, g.size()) for n, g in ub_groups]))
     check_ranks_agree(items, resolved_device)
-    ordinary = GroupSet(dims, GradScaling(), m.fsdp_group_ag)
-    ordinary.scaling = _scaling(config, ordinary.dp_size, ordinary.dp_size)
+    dp_size = dp_size_of(dims)
+    ordinary = GroupSet(dims, _scaling(config, dp_size, dp_size), m.fsdp_group_ag)
     experts = None
     if expert_dims is not None:
-        experts = GroupSet(expert_dims, GradScaling(), m.expt_fsdp_group_ag)
-        experts.scaling = _scaling(config, ordinary.dp_size, experts.dp_size)
+        experts = GroupSet(expert_dims, _scaling(config, dp_size, dp_size_of(expert_dims)), m.expt_fsdp_group_ag)
     user_buffers = (UserBuffers([g for _, g in ub_groups], resolved_device, not config.disable_symmetric_registration)
                      if config.nccl_ub else None)
     return _assemble(module, classes, config, resolved_device, ordinary, experts, user_buffers)
@@ -246,11 +242,8 @@ def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], config: F
                          ordinary.dims, experts.dims if experts is not None else None)
     streams = CommStreams(device, config.overlap_param_gather, config.overlap_grad_reduce,
                           record_streams=not config.cuda_graph_mode)
-    ctx = make_context(ordinary, config, device, streams)
-    expert_ctx = make_context(experts, config, device, streams) if experts is not None else None
-    for context in (ctx, expert_ctx):
-        if context is not None:
-            context.user_buffers = user_buffers
+    ctx = make_context(ordinary, config, device, streams, user_buffers)
+    expert_ctx = make_context(experts, config, device, streams, user_buffers) if experts is not None else None
     parts = [(ordinary, ctx) for ordinary, _ in layout.parts]
     parts += [(expert, expert_ctx) for _, expert in layout.parts if expert_ctx is not None]
     check_window(config.offload_policy, parts, device)  # before any buffer exists (a collective)
@@ -264,9 +257,8 @@ def _assemble(module: nn.Module, classes: tuple[type[nn.Module], ...], config: F
                             ordinary.scaling)
     # FP8 weights requantised over the shard group; delayed-scaling amaxes over every dp rank
     fp8 = model_fp8(module, units, ctx.group, ordinary.dims.hybrid_group or ctx.group)
-    engine = FSDPEngine(units, units[-1], ctx, config, reducer, fp8)
-    if config.offload_policy is not None:
-        engine.offload = ModelOffload(config.offload_policy, device)
+    offload = ModelOffload(config.offload_policy, device) if config.offload_policy is not None else None
+    engine = FSDPEngine(units, units[-1], ctx, reducer, fp8, offload)
     handles = register_hooks(engine, modules)
     buffer = ParamAndGradBuffer([u.group for u in units], config.use_decoupled_grad)
     wrapper = FullyShardedModule(module, engine, buffer, _dist_index(ordinary, experts), handles)
@@ -291,7 +283,7 @@ def _log_wrap(engine: FSDPEngine, dims: ParallelDims) -> None:
     """Debug summary of a wrap: strategy, groups, and per unit its params and shard sizes."""
     ctx = engine.ctx
     logger.debug("fully_shard: strategy=%s, shard group rank %d of %d on %s, HSDP outer reduce=%s, "
-                 "HFSDP two-level reduce=%s, tp=%s, %d units", ctx.strategy.name.lower(), ctx.rank,
+                 "HFSDP two-level reduce=%s, tp=%s, %d units", ctx.config.strategy.name.lower(), ctx.rank,
                  ctx.world, ctx.device, dims.hsdp_reduce_group is not None, ctx.two_level is not None,
                  dims.tp_dim if dims.tp_group is not None else None, len(engine.units))
     for unit in engine.units:

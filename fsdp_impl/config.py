@@ -35,8 +35,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
-from .offload import OffloadPolicy
-from .policy import MixedPrecisionPolicy, ShardingStrategy
+from .offload import OffloadPolicy, checked_policy
+from .policy import MixedPrecisionPolicy, ShardingStrategy, check_bool
 from .unshard_storage import UnshardStorage
 
 
@@ -75,21 +75,14 @@ class FSDPConfig:
         if not isinstance(self.mixed_precision_policy, MixedPrecisionPolicy):
             raise TypeError(f"mixed_precision_policy must be a fsdp_impl.MixedPrecisionPolicy, "
                             f"got {self.mixed_precision_policy!r}")
-        if self.offload_policy is not None and not isinstance(self.offload_policy, OffloadPolicy):
-            raise TypeError(f"offload_policy must be a fsdp_impl.OffloadPolicy or None, got {self.offload_policy!r}")
+        checked_policy(self.offload_policy)
         for name in BOOL_SWITCHES:
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
+            check_bool(name, getattr(self, name))
         if self.nccl_ub and self.offload_policy is not None:
             raise ValueError("nccl_ub=True cannot be combined with offload_policy: NCCL registers device memory, "
                              "and offloaded shards live in host memory; pass one of them")
         object.__setattr__(self, "unshard", UnshardStorage.from_megatron_args(
             self.fsdp_double_buffer or self.nccl_ub, self.maxpool_double_buffer))
-
-    @property
-    def zero3(self) -> bool:
-        return self.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
 
     def with_unshard(self, unshard: UnshardStorage) -> FSDPConfig:
         """The same configuration with the unshard storage resolved (never AUTO)."""
@@ -105,3 +98,6 @@ class FSDPConfig:
 BOOL_SWITCHES = tuple(f.name for f in fields(FSDPConfig)
                       if f.name not in ("strategy", "outer_strategy", "mixed_precision_policy", "unshard",
                                         "offload_policy"))
+# The fields ``fully_shard_model`` passes by the name of its own argument (the strategies are parsed).
+CONFIG_ARGUMENTS = tuple(f.name for f in fields(FSDPConfig)
+                         if f.init and f.name not in ("strategy", "outer_strategy"))

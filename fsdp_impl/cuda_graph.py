@@ -57,7 +57,7 @@ def _check_args(model: Any, optimizer: Any, step_fn: Any, static_inputs: Any, wa
     if not isinstance(model, FullyShardedModule):
         raise TypeError(f"model must be a model returned by fully_shard/fully_shard_model, got {type(model).__name__}")
     engine = model._fsdp_engine
-    if not engine.graph_mode:
+    if not engine.config.cuda_graph_mode:
         raise ValueError("capture_train_step needs a model wrapped with cuda_graph_mode=True (persistent buffers, "
                          "the same host-side path every step); rewrap it with cuda_graph_mode=True")
     device = engine.ctx.device

@@ -17,8 +17,8 @@ from torch.utils._pytree import tree_flatten
 from . import comm
 from .grad_reduce import OuterGradReducer
 from .param import ManagedParam
-from .policy import ShardingStrategy
-from .unit import FSDPUnit, TrainingState, UnitContext
+from .unit import FSDPUnit, TrainingState
+from .unit_context import UnitContext
 from .unshard_storage import GatherPhase
 
 if TYPE_CHECKING:
@@ -58,18 +58,16 @@ def outside_forward_error(unit: FSDPUnit, module: nn.Module) -> RuntimeError:
 class FSDPEngine:
     """Drives the units of one model through forward, backward and grad sync."""
 
-    def __init__(self, units: list[FSDPUnit], root: FSDPUnit, ctx: UnitContext, config: FSDPConfig,
-                 outer_reducer: OuterGradReducer | None = None, fp8: ModelFp8 | None = None) -> None:
+    def __init__(self, units: list[FSDPUnit], root: FSDPUnit, ctx: UnitContext,
+                 outer_reducer: OuterGradReducer | None = None, fp8: ModelFp8 | None = None,
+                 offload: ModelOffload | None = None) -> None:
         self.units = units  # fixed order, identical on every rank; root is last
         self.root = root
-        self.ctx = ctx
-        self.config = config
-        self.sync = config.sync_model_each_microbatch  # set_model_auto_sync changes it
-        self.use_decoupled_grad = config.use_decoupled_grad
-        self.report_nan = config.report_nan_in_param_grad
+        self.ctx = ctx  # the ordinary units' context; its config is the model's (``config``)
+        self.sync = self.config.sync_model_each_microbatch  # set_model_auto_sync changes it
         self.outer_reducer = outer_reducer  # HSDP: averages grads across dp_outer once per cycle
         self.fp8 = fp8  # FP8 params / delayed scaling (fp8_params.py)
-        self.offload: ModelOffload | None = None  # CPU offload (offload.py); set by the assembly
+        self.offload = offload  # CPU offload (offload.py)
         self.comm_dtype_override: torch.dtype | None = None
         self._callback_queued = False
         # From the first pre-backward (or grad) of a backward until its end-of-backward callback:
@@ -84,12 +82,13 @@ class FSDPEngine:
         self._prev_order: list[FSDPUnit] = []
 
     # ------------------------------------------------------------------- forward
+    @property
+    def config(self) -> FSDPConfig:
+        """The model's configuration (``fully_shard``'s switches under their own names)."""
+        return self.ctx.config
+
     def comm_dtype(self, unit: FSDPUnit) -> torch.dtype:
         return self.comm_dtype_override or unit.dtypes.grad_comm
-
-    @property
-    def graph_mode(self) -> bool:
-        return self.ctx.graph_mode
 
     def _agree_on_stale_units(self) -> None:
         """ZeRO-1/2: decide which units' compute params need a refresh, identically on all ranks
@@ -97,11 +96,11 @@ class FSDPEngine:
 
         CUDA-graph mode refreshes every unit on every forward instead: no version counters, no
         collective, no host sync, so an eager step takes exactly the path a replay does."""
-        if self.ctx.graph_mode:
+        if self.config.cuda_graph_mode:
             self._stale = dict.fromkeys(self.units, True)
             return
         changed = [u.weights_changed() for u in self.units]
-        if self.ctx.strategy in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS):
+        if self.ctx.refreshes:
             flags = torch.tensor(changed, dtype=torch.int32, device=self.ctx.device)
             comm.all_reduce_max(flags, self.ctx.group)
             changed = [bool(x) for x in flags.tolist()]
@@ -121,7 +120,7 @@ class FSDPEngine:
         if self.in_recompute():
             self._recompute_pre_forward(unit)
             return
-        zero3 = self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
+        zero3 = self.ctx.zero3
         if unit is self.root:
             if self._backward_active:  # the last backward raised before its end-of-backward callback
                 self._abandon_backward()
@@ -141,7 +140,8 @@ class FSDPEngine:
         else:
             self._order.append(unit)
         unit.state = TrainingState.FORWARD
-        if zero3 and unit.ctx.fine_grained and unit is not self.root:  # its first submodule with params gathers it
+        # fine-grained: its first submodule with params gathers it
+        if zero3 and self.config.enable_fine_grained_param_gather and unit is not self.root:
             return
         if zero3:
             unit.unshard()
@@ -162,7 +162,7 @@ class FSDPEngine:
             return
         if unit.state != TrainingState.FORWARD:
             raise outside_forward_error(unit, module)
-        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS and not unit.is_unsharded:
+        if self.ctx.zero3 and not unit.is_unsharded:
             with traced_phase("pre_forward", unit):
                 unit.unshard()
                 self._prefetch_after(unit, self._prev_order, +1)
@@ -174,7 +174,7 @@ class FSDPEngine:
         or gathers them now when the recompute comes first (a region of several units, or a
         reentrant checkpoint around the unit, whose forward registered no pre-backward); they stay
         until the unit's post-backward. The forward order, prefetch and refresh are left alone."""
-        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+        if self.ctx.zero3:
             if not unit.is_unsharded:
                 with traced_phase("recompute_unshard", unit):
                     unit.unshard(GatherPhase.RECOMPUTE)
@@ -193,7 +193,7 @@ class FSDPEngine:
         forward (the first one after the root), when it is stale. Stale flags are agreed on every
         rank and the forward order is the same everywhere, so all ranks issue the same gathers."""
         nxt = self._next_unit(unit, self._prev_order, +1)
-        if nxt is not None and nxt.ctx.prefetch and self._stale.get(nxt, False):
+        if nxt is not None and self.config.overlap_param_gather and self._stale.get(nxt, False):
             nxt.prefetch_refresh()
 
     def post_forward(self, unit: FSDPUnit, output: Any) -> None:
@@ -238,7 +238,7 @@ class FSDPEngine:
         self._ensure_callback()
         if unit.state != TrainingState.POST_BACKWARD:
             unit.state = TrainingState.PRE_BACKWARD
-        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+        if self.ctx.zero3:
             with traced_phase("pre_backward", unit):
                 unit.storage.on_pre_backward()
                 unit.unshard(GatherPhase.BACKWARD)
@@ -249,7 +249,7 @@ class FSDPEngine:
         """ZeRO-3: start the all-gather of the unit that runs after ``unit`` (forward: next in
         the previous forward order; backward: previous in this forward's order)."""
         nxt = self._next_unit(unit, order, step)
-        if nxt is not None and nxt.ctx.prefetch:  # prefetch=False: overlap_param_gather off
+        if nxt is not None and self.config.overlap_param_gather:
             nxt.prefetch()
 
     def _next_unit(self, unit: FSDPUnit, order: list[FSDPUnit], step: int) -> FSDPUnit | None:
@@ -303,7 +303,7 @@ class FSDPEngine:
                 self.ctx.user_buffers.register()
 
     def install_grads(self) -> None:
-        if self.report_nan:
+        if self.config.report_nan_in_param_grad:
             bad = self._nan_grad_names()
             if bad:
                 raise RuntimeError(f"NaN found in the gradient of parameter(s) {bad} "
@@ -315,7 +315,7 @@ class FSDPEngine:
             # whose dtype differs from its param's is installed as a cast copy, read right now.
             self.offload.after_grads_to_host()
         for unit in self.units:
-            unit.install_grads(self.use_decoupled_grad)
+            unit.install_grads(self.config.use_decoupled_grad)
 
     def _nan_grad_names(self) -> list[str]:
         """FQNs whose synced grad holds a NaN on *any* rank (one MAX all-reduce of per-param
@@ -352,7 +352,7 @@ class FSDPEngine:
 
     def check_zero_grad(self, free: bool) -> None:
         """Refuse ``zero_grad(set_to_none=True)`` in graph mode (before anything is reset)."""
-        if free and self.ctx.graph_mode:
+        if free and self.config.cuda_graph_mode:
             raise ValueError(
                 "zero_grad(set_to_none=True) is not allowed with cuda_graph_mode=True: it would drop the "
                 ".grad views of the gradient buffer that a captured graph writes into, so replays would "

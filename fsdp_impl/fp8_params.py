@@ -50,7 +50,6 @@ from .fp8_te import (
     free_storage,
     is_te_quantized,
     module_has_te_fp8_params,
-    quantize_te,
 )
 from .param import ManagedParam
 from .policy import MixedPrecisionPolicy, ShardingStrategy
@@ -161,10 +160,6 @@ def quantize_native(items: list[QuantizeItem], group: dist.ProcessGroup) -> None
         it.param.scale_inv, it.param.block = quantized.scale_inv, quantized.block
 
 
-QUANTIZE: dict[str, Callable[[list[QuantizeItem], dist.ProcessGroup], None]] = {
-    NativeFp8Param.kind: quantize_native,
-    TeFp8Param.kind: quantize_te,
-}
 # Per kind: the requantisation of a fixed list of items, built once, then called with the group
 # every step (``ModelFp8.requantize`` keeps them): TE's keeps its per-weight objects.
 _Plan = Callable[[dist.ProcessGroup], None]
@@ -249,9 +244,6 @@ class UnitFp8:
             f.alias([views[s] for s in slots])
         self._planes = views
         return True
-
-    def owns(self, p: ManagedParam) -> bool:
-        return any(f.managed is p for f in self.fp8_params)
 
     def quantize_items(self, weight: DataParallelBuffer) -> list[QuantizeItem]:
         """This unit's share of a requantisation: the same list (views of ``weight``'s data and of
@@ -473,14 +465,14 @@ def _fp8_param_of(p: ManagedParam, index: int, device: torch.device) -> Any | No
     return None
 
 
-def unit_fp8(unit: Any, keep_transpose: bool) -> UnitFp8 | None:
+def unit_fp8(unit: Any) -> UnitFp8 | None:
     """The FP8 side of a unit that has just sharded its params (``None``: no FP8 params)."""
     ctx = unit.ctx
     fp8 = [f for i, p in enumerate(unit.params) if (f := _fp8_param_of(p, i, ctx.device)) is not None]
     if not fp8:
         return None
     return UnitFp8(unit.params, fp8, ctx.num_shards, ctx.layout_rank, unit.dtypes.compute, ctx.device,
-                   keep_transpose, graph_mode=ctx.graph_mode)
+                   ctx.config.keep_fp8_transpose_cache, graph_mode=ctx.config.cuda_graph_mode)
 
 
 def model_fp8(module: nn.Module, units: Sequence[Any], group: dist.ProcessGroup,

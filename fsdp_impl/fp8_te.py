@@ -9,7 +9,7 @@ from those init values), and each such tensor stays the module's compute paramet
 planes (``_data``, or ``_rowwise_data`` [+ ``_columnwise_data`` for MXFP8], each ``(rows,
 cols)`` uint8) are the storage the unit's FP8 gather fills and frees. Scales are written on every
 rank by the sharded quantisation (partial amaxes, one MAX all-reduce over the shard group, local
-casts into this rank's byte rows: ``quantize_te``), so they never travel in the gather.
+casts into this rank's byte rows: ``TeQuantize``), so they never travel in the gather.
 """
 from __future__ import annotations
 
@@ -185,11 +185,6 @@ def fill_te(params: list[TeFp8Param], keep_transpose: bool) -> None:
     if keep_transpose and params:
         from transformer_engine.pytorch.tensor.utils import post_all_gather_processing
         post_all_gather_processing([p.tensor for p in params])
-
-
-def quantize_te(items: list[Any], group: torch.distributed.ProcessGroup) -> None:
-    """Sharded quantisation of TE weights, once (``TeQuantize`` keeps its state for the next step)."""
-    TeQuantize(items)(group)
 
 
 class TeQuantize:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,7 +41,7 @@ from .sharding import FlatLayout
 
 if TYPE_CHECKING:
     from .param import ManagedParam
-    from .unit import FSDPUnit, UnitContext
+    from .unit_context import UnitContext
 
 STEPS = ("gpu", "cpu")
 MIN_CHUNK_BYTES = 4096
@@ -134,12 +134,18 @@ def stream_on_cpu_for_tests() -> Iterator[None]:
         _cpu_window_allowed = previous
 
 
+def checked_policy(policy: object) -> OffloadPolicy | None:
+    """``offload_policy`` itself, refused unless it is an ``OffloadPolicy`` or None."""
+    if policy is not None and not isinstance(policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be a fsdp_impl.OffloadPolicy or None, got {policy!r}")
+    return policy
+
+
 def check_offload(policy: object, device: torch.device, cuda_graph_mode: bool, module: nn.Module) -> None:
     """Wrap-time checks of ``offload_policy`` against the device and the other switches."""
+    policy = checked_policy(policy)
     if policy is None:
         return
-    if not isinstance(policy, OffloadPolicy):
-        raise TypeError(f"offload_policy must be a fsdp_impl.OffloadPolicy or None, got {policy!r}")
     if cuda_graph_mode:
         raise ValueError("offload_policy cannot be combined with cuda_graph_mode=True: the offloaded step "
                          "synchronises with the host and moves state between host and device buffers that "
@@ -172,7 +178,7 @@ def window_lower_bound(policy: OffloadPolicy, parts: Sequence[tuple[Sequence[Man
         trainable = [p for p in params if p.requires_grad]
         if not trainable:
             continue
-        dtypes = ResolvedDtypes.resolve(ctx.policy, params[0].dtype)
+        dtypes = ResolvedDtypes.resolve(ctx.config.mixed_precision_policy, params[0].dtype)
         layout = FlatLayout([p.layout_shape for p in trainable], ctx.num_shards)
         total += sum(math.prod(slot.local_shape(ctx.num_shards, ctx.layout_rank)) for slot in layout.slots)
         unit_bytes = ((dtypes.main_params.itemsize if policy.main_params else 0)
@@ -212,47 +218,50 @@ def host_buffer(like: DataParallelBuffer, pin: bool) -> DataParallelBuffer:
     return buf
 
 
+def host_weight(policy: OffloadPolicy, like: DataParallelBuffer) -> DataParallelBuffer:
+    """A unit's weight buffer: on the host with ``main_params``, else ``like`` itself."""
+    return host_buffer(like, policy.pin_memory) if policy.main_params else like
+
+
 class UnitOffload:
     """The host side of one unit: its host grad buffer, the device compute-dtype copy of its
-    shard, and the copies between them (``unit.weight`` itself is the host main shard)."""
+    shard, and the copies between them. It is given the unit's buffers (``weight``, the host
+    main shard with ``main_params``; ``grad``, the device grad buffer, freed here: the first
+    reduction allocates it), the compute dtype and ``version``, the unit's version signature of
+    the main weights (``FSDPUnit.version_signature``), so it never needs the unit itself."""
 
-    def __init__(self, policy: OffloadPolicy, device: torch.device) -> None:
+    def __init__(self, policy: OffloadPolicy, device: torch.device, weight: DataParallelBuffer,
+                 grad: DataParallelBuffer | None, compute_dtype: torch.dtype, version: Callable[[], int]) -> None:
         self.policy = policy
         self.device = device
+        self.weight = weight
+        self.version = version
         self.host_grad: DataParallelBuffer | None = None
         self.compute_shard: torch.Tensor | None = None  # params=False: the shard in the compute dtype
-        self.shard_version = -1  # unit.version_signature() the compute shard was built from
+        self.shard_version = -1  # version() the compute shard was built from
         self.host_grad_fresh = True  # the host grads were zeroed or consumed since the last copy
+        if grad is not None and policy.grads_on_host:
+            self.host_grad = host_buffer(grad, policy.pin_memory)
+            grad.free()
+        if policy.device_compute_shard:
+            self.compute_shard = torch.empty(weight.data.numel(), dtype=compute_dtype, device=device)
 
     @property
     def non_blocking(self) -> bool:
         return self.policy.pin_memory
 
-    def weight_buffer(self, like: DataParallelBuffer) -> DataParallelBuffer:
-        """The unit's weight buffer: on the host with ``main_params``, else ``like`` itself."""
-        return host_buffer(like, self.policy.pin_memory) if self.policy.main_params else like
-
-    def attach(self, unit: FSDPUnit) -> None:
-        """Create the host grad buffer / the device compute shard once the unit's buffers exist.
-        The device grad buffer starts freed: the first reduction allocates it."""
-        if unit.grad is not None and self.policy.grads_on_host:
-            self.host_grad = host_buffer(unit.grad, self.policy.pin_memory)
-            unit.grad.free()
-        if self.policy.device_compute_shard:
-            self.compute_shard = torch.empty(unit.weight.data.numel(), dtype=unit.dtypes.compute, device=self.device)
-
     # --------------------------------------------------------------------- params
-    def gather_source(self, unit: FSDPUnit) -> torch.Tensor:
-        """The device tensor a gather of ``unit`` starts from (call on the gather stream): the
+    def gather_source(self) -> torch.Tensor:
+        """The device tensor a gather of the unit starts from (call on the gather stream): the
         compute shard, refreshed from the host if the main weights changed, or (``params=True``)
         a fresh device copy of the host main shard in its own dtype."""
         if not self.policy.main_params:
-            return unit.weight.data
+            return self.weight.data
         if self.compute_shard is None:
-            return self._to_device(unit.weight.data)
-        version = unit.version_signature()
+            return self._to_device(self.weight.data)
+        version = self.version()
         if version != self.shard_version:
-            self.compute_shard.copy_(self._to_device(unit.weight.data))
+            self.compute_shard.copy_(self._to_device(self.weight.data))
             self.shard_version = version
         return self.compute_shard
 
@@ -262,19 +271,19 @@ class UnitOffload:
         out.copy_(host, non_blocking=self.non_blocking)
         return out
 
-    def compute_view(self, unit: FSDPUnit, index: int) -> torch.Tensor | None:
+    def compute_view(self, index: int) -> torch.Tensor | None:
         """Param ``index``'s slice of the compute shard, flat (None without one)."""
         if self.compute_shard is None:
             return None
-        return unit.weight.layout.local_view(self.compute_shard, index, unit.weight.rank).reshape(-1)
+        return self.weight.layout.local_view(self.compute_shard, index, self.weight.rank).reshape(-1)
 
-    def shard_is_fresh(self, unit: FSDPUnit) -> bool:
-        return self.compute_shard is not None and self.shard_version == unit.version_signature()
+    def shard_is_fresh(self) -> bool:
+        return self.compute_shard is not None and self.shard_version == self.version()
 
-    def mark_shard_fresh(self, unit: FSDPUnit) -> None:
+    def mark_shard_fresh(self) -> None:
         """The streamed step wrote the new weights into the compute shard as well."""
         if self.compute_shard is not None:
-            self.shard_version = unit.version_signature()
+            self.shard_version = self.version()
 
     # ---------------------------------------------------------------------- grads
     def grads_to_host(self, grad: DataParallelBuffer) -> DataParallelBuffer:

@@ -172,7 +172,7 @@ class OffloadedAdamStep:
     # ---------------------------------------------------------------------- step
     def step(self) -> None:
         entries, units = self._entries()
-        fresh = [u for u in units if u.offload is not None and u.offload.shard_is_fresh(u)]
+        fresh = [u for u in units if u.offload is not None and u.offload.shard_is_fresh()]
         for entry in entries:  # only fresh compute shards are kept fresh; stale ones refresh at the gather
             unit = entry.extra["unit"]
             if not any(unit is u for u in fresh):
@@ -186,7 +186,7 @@ class OffloadedAdamStep:
         mark_weights_changed(self.engines)
         for unit in fresh:
             assert unit.offload is not None
-            unit.offload.mark_shard_fresh(unit)
+            unit.offload.mark_shard_fresh()
 
     def _entries(self) -> tuple[list[StreamEntry], list[FSDPUnit]]:
         """One entry per param with a grad, in param-group order, its state created and adopted."""
@@ -212,7 +212,7 @@ class OffloadedAdamStep:
                 for key in STATE_KEYS:
                     if key in state:
                         tensors[key] = self._adopt(unit, mp, state, key)
-                compute = unit.offload.compute_view(unit, unit.params.index(mp)) if unit.offload else None
+                compute = unit.offload.compute_view(unit.params.index(mp)) if unit.offload else None
                 entries.append(StreamEntry(gi, tensors, compute, {"step": state["step"], "unit": unit,
                                                                    "device_step": _device_step(group)}))
                 if all(u is not unit for u in units):

@@ -93,7 +93,7 @@ def zero_grads_and_buffers(engines: list[FSDPEngine], params: list[torch.Tensor]
         engine.check_zero_grad(free=set_to_none)
     with hide_buffer_grads(engines, params, active=not set_to_none):
         own_zero_grad(set_to_none=set_to_none)
-    clear_grads(params, any(e.use_decoupled_grad for e in engines), set_to_none)
+    clear_grads(params, any(e.config.use_decoupled_grad for e in engines), set_to_none)
     for engine in engines:
         engine.zero_grad_buffers(free=set_to_none)
 
@@ -117,7 +117,7 @@ class _FSDPOptimizerMixin(torch.optim.Optimizer):
         # a closure re-runs the backward inside the step, after the grads were aliased; graph
         # mode replays the step without Python, so there is no host time to save
         if (local is None or args or "closure" in kwargs
-                or any(engine.graph_mode for engine in self._fsdp_engines)):
+                or any(engine.config.cuda_graph_mode for engine in self._fsdp_engines)):
             result = super().step(*args, **kwargs)
         else:
             result = local.run(self, super().step, **kwargs)
@@ -138,7 +138,7 @@ def attach_engines(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine]) 
     """Give ``optimizer`` the FSDP ``zero_grad`` (idempotent; several models may share one).
     A CUDA-graph-mode model's optimizer must be capturable, an offloaded model's optimizer one its
     ``offload_policy.step`` can run (checked before anything changes)."""
-    if any(engine.graph_mode for engine in engines):
+    if any(engine.config.cuda_graph_mode for engine in engines):
         check_optimizer_capturable(optimizer)
     bound = list(optimizer._fsdp_engines) if isinstance(optimizer, _FSDPOptimizerMixin) else []
     policy = offload_policy_of(bound + [e for e in engines if all(e is not b for b in bound)])

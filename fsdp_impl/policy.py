@@ -46,6 +46,12 @@ def parse_strategy(value: str | int | ShardingStrategy, arg_name: str = "zero_dp
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_bool(name: str, value: object) -> None:
+    """The one check of a boolean switch: ``name`` is the argument the user passed."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
 def _check_dtype(name: str, value: torch.dtype | None) -> None:
     if value is not None and value not in _FLOAT_DTYPES:
         raise ValueError(f"MixedPrecisionPolicy.{name}={value!r} is not supported; allowed values: "

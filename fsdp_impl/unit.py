@@ -6,35 +6,32 @@ unit issues go through the shard group in a fixed order, so every rank issues th
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from . import comm
 from .buffers import DataParallelBuffer, ParameterGroup
 from .copy_out import ComputeCopy
-from .decoupled import grad_attr_name
-from .device import CommStreams, is_capturing
-from .grad_reduce import GradScaling, TwoLevelGroups, UnitGradReduce, unit_grad_reduce
+from .device import is_capturing
+from .grad_reduce import UnitGradReduce, unit_grad_reduce
 from .grad_staging import GradStaging
-from .offload import OffloadPolicy, UnitOffload
+from .grad_views import GradViews
+from .offload import UnitOffload, host_weight
 from .param import ManagedParam
-from .placement import PlacementPlan, local_tensor
-from .policy import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
+from .policy import ResolvedDtypes
 from .sharding import FlatLayout, shard_row_range
+from .unit_context import UnitContext
+from .unit_gather import Gather, gather_in_compute_dtype
 from .unshard_storage import (
     GatherPhase,
     PooledStorage,
     UnitStorage,
     UnshardPool,
-    UnshardStorage,
     UnshardStorageKind,
     build_pool,
     unit_storage,
@@ -42,7 +39,6 @@ from .unshard_storage import (
 
 if TYPE_CHECKING:
     from .fp8_params import UnitFp8
-    from .nccl_ub import UserBuffers
 
 
 class TrainingState(enum.Enum):
@@ -54,80 +50,10 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = "post_backward"  # its grads of this backward are reduced (or handed on)
 
 
-@dataclass
-class _Gather:
-    """An all-gather in flight: its output, the event that marks it done, the weights' version.
-    One rank (no offload): no event, the copy-out reads on the compute stream from the weight
-    shard itself (main dtype); with FP8 params ``gathered`` is the unit's own FP8 segment and
-    ``direct`` says the other params are copied from their main shards."""
-
-    gathered: torch.Tensor
-    event: torch.cuda.Event | None
-    version: int
-    direct: bool = False
-
-
 # One location of a param for a swap: its module's parameter dict, the name, the tensor to store.
 _Swap = tuple[dict[str, nn.Parameter | None], str, nn.Parameter]
 # A guard hook (hooks.py): a module's forward-pre-hook dict, the hook's key and the hook itself.
 _Guard = tuple[dict[int, Callable[..., object]], int, Callable[..., object]]
-
-
-@dataclass
-class UnitContext:
-    """What every unit of one model shares: where it runs and how it shards."""
-
-    strategy: ShardingStrategy
-    shard_mesh: DeviceMesh
-    group: dist.ProcessGroup
-    plan: PlacementPlan  # the meshes/placements the sharded params and grads are DTensors on
-    rank: int  # rank inside the shard group
-    world: int  # size of the shard group
-    device: torch.device
-    policy: MixedPrecisionPolicy
-    streams: CommStreams
-    # HFSDP two-level grad reduction: reduce-scatter inside dp_shard every backward, across
-    # dp_outer only on the sync backward (``None``: one reduction over ``group``).
-    two_level: TwoLevelGroups | None = None
-    # fully_shard's communication options: how grads are scaled and reduced, the group of the
-    # param all-gathers (fsdp_group_ag; ``None``: ``group``), whether ZeRO-3 prefetches the
-    # next unit (overlap_param_gather).
-    grad_scaling: GradScaling = GradScaling()
-    gather_group: dist.ProcessGroup | None = None
-    prefetch: bool = True
-    # CUDA-graph mode: persistent engine buffers, every step takes the same host-side path.
-    graph_mode: bool = False
-    # Set by fsdp_impl.cuda_graph.capture_train_step while it captures (see FSDPUnit._capture_token).
-    capture_token: object | None = None
-    # How ZeRO-3 compute params are stored while unsharded (resolved: never AUTO).
-    unshard: UnshardStorage = field(default_factory=lambda: UnshardStorage().resolve(False))
-    # FP8 params: builds a unit's FP8 side once it has sharded (fp8_params.unit_fp8); None: no FP8
-    fp8_setup: Callable[[FSDPUnit], UnitFp8 | None] | None = None
-    # enable_fine_grained_param_gather: a ZeRO-3 unit is gathered by the pre-forward hook of its
-    # first submodule that holds params, not by the unit's own pre-forward (hooks.py, engine.py).
-    fine_grained: bool = False
-    # nccl_ub: the NCCL memory pool every communication buffer comes from (nccl_ub.py).
-    user_buffers: UserBuffers | None = None
-
-    @property
-    def fixed_buffers(self) -> bool:
-        """Communication buffers live as long as the model (CUDA graphs, NCCL user buffers)."""
-        return self.graph_mode or self.user_buffers is not None
-
-    def comm_allocation(self) -> contextlib.AbstractContextManager[None]:
-        """Where a communication buffer allocated now comes from (the NCCL pool, if any)."""
-        return self.user_buffers.allocating() if self.user_buffers is not None else contextlib.nullcontext()
-    # CPU offload (fully_shard's offload_policy): which unit buffers live in host memory.
-    offload: OffloadPolicy | None = None
-
-    @property
-    def num_shards(self) -> int:
-        """Shards of the weight/grad layouts: 1 for no_shard (every rank holds everything)."""
-        return 1 if self.strategy == ShardingStrategy.NO_SHARD else self.world
-
-    @property
-    def layout_rank(self) -> int:
-        return 0 if self.strategy == ShardingStrategy.NO_SHARD else self.rank
 
 
 class FSDPUnit:
@@ -141,38 +67,39 @@ class FSDPUnit:
         self.name = name
         self.params = params
         self.ctx = ctx
-        self.dtypes = ResolvedDtypes.resolve(ctx.policy, params[0].dtype if params else torch.float32)
+        config = ctx.config
+        dtype = params[0].dtype if params else torch.float32
+        self.dtypes = ResolvedDtypes.resolve(config.mixed_precision_policy, dtype)
         self.trainable = [p for p in params if p.requires_grad]
         for i, p in enumerate(self.trainable):
             p.grad_index = i
         n, r = ctx.num_shards, ctx.layout_rank
-        self.offload = UnitOffload(ctx.offload, ctx.device) if ctx.offload is not None else None
         self.weight = DataParallelBuffer(FlatLayout([p.layout_shape for p in params], n), r,
                                          self.dtypes.main_params, ctx.device)
-        if self.offload is not None:  # main params in host memory (offload_policy.main_params)
-            self.weight = self.offload.weight_buffer(self.weight)
+        if config.offload_policy is not None:  # main params in host memory (offload_policy.main_params)
+            self.weight = host_weight(config.offload_policy, self.weight)
         self.grad: DataParallelBuffer | None = None  # None: no trainable params
         if self.trainable:
             self.grad = DataParallelBuffer(FlatLayout([p.layout_shape for p in self.trainable], n), r,
                                            self.dtypes.main_grads, ctx.device)
         self.reducer: UnitGradReduce = unit_grad_reduce(
-            ctx.group, ctx.strategy == ShardingStrategy.NO_SHARD, ctx.two_level, ctx.streams.reduce,
+            ctx.group, ctx.no_shard, ctx.two_level, ctx.streams.reduce,
             ctx.device, self.dtypes.main_grads, ctx.grad_scaling)
         self.group = ParameterGroup(name, self.weight, self.grad,
-                                    ctx.policy.main_params_dtype is not None)
+                                    ctx.config.mixed_precision_policy.main_params_dtype is not None)
         self.staging: GradStaging | None = None  # grads awaiting reduction (None: nothing trainable)
         if self.grad is not None:
             self.staging = GradStaging(self.grad.layout, self.dtypes.main_grads, ctx.device,
                                        persistent=ctx.fixed_buffers)
-        self.storage: UnitStorage = unit_storage(ctx.unshard.standalone_kind(ctx.graph_mode), [])
+        self.storage: UnitStorage = unit_storage(ctx.unshard.standalone_kind(ctx.config.cuda_graph_mode), [])
         self._ready = 0
-        self._gather: _Gather | None = None  # a prefetched all-gather not yet consumed
+        self._gather: Gather | None = None  # a prefetched all-gather not yet consumed
         self._in_place_gather: bool | None = None  # see _gathers_in_place (decided at the first gather)
         self.reduce_event: torch.cuda.Event | None = None  # CUDA: marks the last grad reduction done
         self.state = TrainingState.IDLE
         self.is_unsharded = False  # the compute params hold valid values (ZeRO-3: gathered)
         self.synced_version = -1  # weight-buffer version the compute params were built from
-        self._grad_cache: list[torch.Tensor | None] = [None] * len(self.trainable)
+        self._grad_views = GradViews(self.trainable, ctx.plan, ctx.config.cuda_graph_mode)
         self._copy_out = ComputeCopy()  # gathered values -> compute params, targets kept
         # (module param dict, name, tensor) per param location for swap_in / swap_out, built at
         # the first swap after sharding: a swap is then one dict store per location
@@ -182,8 +109,8 @@ class FSDPUnit:
         self.guards: list[_Guard] = []
         self._solo_gather = comm.solo(ctx.gather_group or ctx.group)  # one rank: no gather (_start_gather)
         self.fp8: UnitFp8 | None = None  # FP8 params: gathered as FP8 bytes (fp8_params.py)
-        if self.offload is not None:
-            self.offload.attach(self)
+        self.offload = (UnitOffload(config.offload_policy, ctx.device, self.weight, self.grad, self.dtypes.compute,
+                                    self.version_signature) if config.offload_policy is not None else None)
 
     # ----------------------------------------------------------------- wrap time
     def shard_from_module(self) -> None:
@@ -200,8 +127,9 @@ class FSDPUnit:
                 p.set_on_module(p.sharded)
         if self.ctx.fp8_setup is not None:
             self.fp8 = self.ctx.fp8_setup(self)
-        self.storage = unit_storage(self.ctx.unshard.standalone_kind(self.ctx.graph_mode), self.compute_tensors())
-        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+        kind = self.ctx.unshard.standalone_kind(self.ctx.config.cuda_graph_mode)
+        self.storage = unit_storage(kind, self.compute_tensors())
+        if self.ctx.zero3:
             self._release_unsharded()
 
     def compute_tensors(self) -> list[torch.Tensor]:
@@ -230,7 +158,7 @@ class FSDPUnit:
     def tracks_versions(self) -> bool:
         """Whether anything reads ``synced_version``: the ZeRO-0/1/2 refresh decision and FP8
         requantisation; plain ZeRO-3 re-gathers on every unshard, so it skips the signature."""
-        return self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS or self.fp8 is not None
+        return not self.ctx.zero3 or self.fp8 is not None
 
     def weights_changed(self) -> bool:
         """True when the main weights changed since the compute params were last built."""
@@ -241,7 +169,7 @@ class FSDPUnit:
         prefetched all-gather; ``phase``: forward, pre-backward or an activation recompute)."""
         if self.is_unsharded:
             return
-        if self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS:
+        if self.ctx.zero3:
             if self._gather is None:
                 self.prefetch()
             if self._gather is not None:
@@ -270,8 +198,7 @@ class FSDPUnit:
     def prefetch(self) -> None:
         """ZeRO-3: allocate the compute storage and start the all-gather (on the gather stream
         on CUDA) so it overlaps the compute of the unit before it."""
-        if (self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS or self.is_unsharded
-                or self._gather is not None or not self.params):
+        if not self.ctx.zero3 or self.is_unsharded or self._gather is not None or not self.params:
             return
         self.storage.on_gather_start()
         self._gather = self._start_gather()
@@ -281,12 +208,12 @@ class FSDPUnit:
         gather ``prefetch_refresh`` started, if any)."""
         if not self.params:
             return
-        if self.ctx.strategy != ShardingStrategy.NO_SHARD:
+        if not self.ctx.no_shard:
             gather, self._gather = self._gather, None
             self._finish_gather(gather if gather is not None else self._start_gather())
             return
         local = self._gather_input().to(self.dtypes.compute)
-        self._copy_out(local, self.weight.layout, self.params, fused=not self.ctx.graph_mode)
+        self._copy_out(local, self.weight.layout, self.params, fused=not self.ctx.config.cuda_graph_mode)
         self.synced_version = self.version_signature()
 
     def regather_fp8_rowwise(self) -> None:
@@ -298,7 +225,7 @@ class FSDPUnit:
         with comm.traced("FSDP::recompute_fp8_gather"):
             self._finish_gather(self._start_gather(force_fp8=True))
 
-    def _start_gather(self, force_fp8: bool = False) -> _Gather:
+    def _start_gather(self, force_fp8: bool = False) -> Gather:
         """One all-gather of the unit's shards, cast to the compute dtype, on the gather stream."""
         stream = self.ctx.streams.gather
         version = self.version_signature() if self.tracks_versions else self.synced_version
@@ -307,38 +234,29 @@ class FSDPUnit:
             # from it on the compute stream: no gathered copy, side-stream switch or event (FP8:
             # the unit's own segment, its other params copied in on the compute stream too)
             if self.fp8 is None:
-                return _Gather(self.weight.data, None, version)
-            return _Gather(self.fp8.solo(force_fp8), None, version, direct=True)
+                return Gather(self.weight.data, None, version)
+            return Gather(self.fp8.solo(force_fp8), None, version, direct=True)
         with stream.use(), self.ctx.comm_allocation():
             if self.fp8 is not None:  # FP8 params travel as FP8 bytes
                 gathered = self.fp8.gather(self.weight, self.ctx.gather_group or self.ctx.group, force_fp8)
             else:
                 gathered = self._gather_compute_dtype()
-        return _Gather(gathered, stream.record(), version)
+        return Gather(gathered, stream.record(), version)
 
     def _gather_compute_dtype(self) -> torch.Tensor:
         """All-gather the weight shards in the compute dtype. A shard that needs a cast is cast
         straight into this rank's chunk of the output and gathered in place (FSDP2 does the same):
         no separate low-precision copy of the shard is allocated, and the collective has no
         input segment of its own to copy."""
-        compute, group = self.dtypes.compute, self.ctx.gather_group or self.ctx.group
-        layout = self.weight.layout
-        gathered = torch.empty(layout.total_numel, dtype=compute, device=self.ctx.device)
+        group = self.ctx.gather_group or self.ctx.group
         source = self._gather_input()
-        if source.dtype == compute:  # nothing to cast: gather straight from the shard
-            comm.all_gather(gathered, source, group)
-        elif self._gathers_in_place(group):
-            local = gathered.narrow(0, self.ctx.layout_rank * layout.segment_numel, layout.segment_numel)
-            local.copy_(source)
-            comm.all_gather(gathered, local, group)
-        else:
-            comm.all_gather(gathered, source.to(compute), group)
-        return gathered
+        in_place = source.dtype != self.dtypes.compute and self._gathers_in_place(group)
+        return gather_in_compute_dtype(source, self.weight.layout, self.dtypes.compute, group, in_place)
 
     def _gather_input(self) -> torch.Tensor:
         """This rank's shard on the device, where a gather starts: the weight buffer, or with CPU
         offload its device copy (``UnitOffload.gather_source``)."""
-        return self.weight.data if self.offload is None else self.offload.gather_source(self)
+        return self.weight.data if self.offload is None else self.offload.gather_source()
 
     def _gathers_in_place(self, group: dist.ProcessGroup) -> bool:
         """Whether this rank's chunk of the gather output is its own layout segment (the gather
@@ -348,7 +266,7 @@ class FSDPUnit:
                                      and group.rank() == self.ctx.layout_rank)
         return self._in_place_gather
 
-    def _finish_gather(self, gather: _Gather) -> None:
+    def _finish_gather(self, gather: Gather) -> None:
         """Wait for the gather and copy each param out of it (on the compute stream)."""
         stream = self.ctx.streams.gather
         if gather.event is not None:  # made on the gather stream (else on this one: nothing to order)
@@ -365,21 +283,20 @@ class FSDPUnit:
             elif self.fp8 is not None:  # fills the FP8 params; the others are copied out below
                 gathered, layout, params = self.fp8.unpack(gather.gathered)
             if params:
-                self._copy_out(gathered, layout, params, fused=not self.ctx.graph_mode)
+                self._copy_out(gathered, layout, params, fused=not self.ctx.config.cuda_graph_mode)
         self.synced_version = gather.version
 
     def prefetch_refresh(self) -> None:
         """ZeRO-1/2: start the all-gather the next ``refresh`` finishes, so it overlaps the
         compute of the unit before it (the main weights do not change inside a forward)."""
-        if (self.ctx.strategy not in (ShardingStrategy.OPTIM, ShardingStrategy.OPTIM_GRADS)
-                or self._gather is not None or not self.params):
+        if not self.ctx.refreshes or self._gather is not None or not self.params:
             return
         self._gather = self._start_gather()
 
     def drop_prefetched_refresh(self) -> None:
         """ZeRO-1/2: forget a prefetched gather the last forward did not use (it skipped this
         unit); its values may predate the optimizer step since."""
-        if self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        if not self.ctx.zero3:
             self._discard_gather()
 
     def _discard_gather(self) -> bool:
@@ -393,7 +310,7 @@ class FSDPUnit:
 
     def reshard(self) -> None:
         """ZeRO-3: free the compute storage (autograd's saved references stay valid objects)."""
-        if self.ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+        if not self.ctx.zero3:
             return
         if self._discard_gather():  # prefetched but never used
             self._release_unsharded()
@@ -437,11 +354,10 @@ class FSDPUnit:
         params with ``enable_fine_grained_param_gather``; else, under ZeRO-3 with
         ``keep_fp8_transpose_cache``, the FP8 modules (a recompute of one needs its row-wise
         bytes back, ``regather_fp8_rowwise``)."""
-        if self.ctx.fine_grained:
+        if self.ctx.config.enable_fine_grained_param_gather:
             return self.param_modules()
-        zero3 = self.ctx.strategy == ShardingStrategy.OPTIM_GRADS_PARAMS
         # (planes aliasing the shard are never released: the row-wise bytes are always there)
-        if self.fp8 is not None and self.fp8.keep_transpose and zero3 and not self.fp8.aliased:
+        if self.fp8 is not None and self.fp8.keep_transpose and self.ctx.zero3 and not self.fp8.aliased:
             return self.fp8.modules()
         return []
 
@@ -462,7 +378,7 @@ class FSDPUnit:
         if grad is None:
             return False
         staging = self._staging()
-        if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
+        if self.ctx.shards_grads:
             staging.stash(p.grad_slot, grad)  # packed in one op when the unit reduces
         else:
             self._grad_buffer().layout.pack_full(staging.accumulator(), p.grad_slot, grad, accumulate=True)
@@ -487,7 +403,7 @@ class FSDPUnit:
             return
         overwrite = False
         with self.ctx.comm_allocation():
-            if self.ctx.strategy >= ShardingStrategy.OPTIM_GRADS:
+            if self.ctx.shards_grads:
                 overwrite = self.grad.take_zeroed(self._capture_token())
                 direct = self.reducer.direct_target(self.grad, comm_dtype, overwrite)
                 full = self._staging().take_pending(comm_dtype, out=direct)  # zeros if no grad arrived
@@ -499,7 +415,7 @@ class FSDPUnit:
                 full = self._staging().take_accumulated(comm_dtype)
             else:
                 return
-        if self.ctx.strategy < ShardingStrategy.OPTIM_GRADS:
+        if not self.ctx.shards_grads:
             overwrite = self.grad.take_zeroed(self._capture_token())
         self.reduce_event = self.reducer.reduce(full, self.grad, sync, overwrite)
 
@@ -527,14 +443,8 @@ class FSDPUnit:
             self.offload.grads_to_host(self.grad)
 
     def install_grads(self, decoupled: bool) -> None:
-        """Expose the main-grad shards on the DTensor params (``.grad`` or ``.decoupled_grad``).
-
-        Same dtype: a persistent DTensor view of the grad buffer, made once (``DTensor`` creation
-        is slow) and re-installed after ``zero_grad(set_to_none=True)``: freeing the buffer keeps
-        its storage object, so the views see the re-allocated memory. Different dtype (e.g. fp32
-        grads for bf16 main params): a cast copy, because torch requires ``grad.dtype ==
-        param.dtype``; under CUDA-graph mode the copy is persistent too (re-filled in place).
-        """
+        """Expose the main-grad shards on the DTensor params (``.grad`` or ``.decoupled_grad``;
+        how: ``grad_views.GradViews``), from the host buffer when grads are offloaded."""
         if self.grad is None:
             return
         if self.offload is not None and self.offload.host_grad is not None:
@@ -542,22 +452,7 @@ class FSDPUnit:
         else:
             buffer = self.grad
             buffer.ensure_allocated()
-        attr = grad_attr_name(decoupled)
-        for p in self.trainable:
-            i, sharded = p.grad_slot, p.sharded
-            cached = self._grad_cache[i]
-            if cached is not None:
-                if local_tensor(cached).dtype != buffer.dtype:
-                    local_tensor(cached).copy_(buffer.local_view(i))
-                if getattr(sharded, attr, None) is not cached:
-                    setattr(sharded, attr, cached)
-                continue
-            local = buffer.local_view(i)
-            is_view = decoupled or local.dtype == sharded.dtype
-            g = self.ctx.plan.wrap(local if is_view else local.to(sharded.dtype), p.tp, p.shape)
-            if is_view or self.ctx.graph_mode:
-                self._grad_cache[i] = g
-            setattr(sharded, attr, g)
+        self._grad_views.install(buffer, decoupled)
 
     def zero_grad_buffers(self, free: bool = False) -> None:
         """Zero the grad buffer, or with ``free`` (``zero_grad(set_to_none=True)``) release it
@@ -588,7 +483,7 @@ class FSDPUnit:
 def attach_unshard_pool(units: list[FSDPUnit], ctx: UnitContext) -> UnshardPool | None:
     """ZeRO-3 with the POOL unshard storage: make the compute params of ``units`` (the non-root
     units, engine order) views into a shared pool; otherwise leave every unit's own storage."""
-    if ctx.unshard.kind != UnshardStorageKind.POOL or ctx.strategy != ShardingStrategy.OPTIM_GRADS_PARAMS:
+    if ctx.unshard.kind != UnshardStorageKind.POOL or not ctx.zero3:
         return None
     pooled = [u for u in units if u.params]
     if not pooled:

@@ -50,6 +50,8 @@ from typing import Protocol
 
 import torch
 
+from .policy import check_bool
+
 # Params inside a pool slot start at multiples of this many bytes, like blocks of the CUDA
 # caching allocator, so kernels see the alignment they would see on standalone tensors.
 SLOT_ALIGN_BYTES = 512
@@ -93,10 +95,8 @@ class UnshardStorage:
         ``maxpool_double_buffer`` (a pool sized by the largest unit, which implies the former)
         both map to the 2-slot pool: each slot is sized for the largest unit assigned to it,
         which covers symmetric and asymmetric units alike."""
-        for name, value in (("fsdp_double_buffer", fsdp_double_buffer),
-                            ("maxpool_double_buffer", maxpool_double_buffer)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
+        check_bool("fsdp_double_buffer", fsdp_double_buffer)
+        check_bool("maxpool_double_buffer", maxpool_double_buffer)
         return cls.double_buffer() if fsdp_double_buffer or maxpool_double_buffer else cls()
 
     def resolve(self, cuda_graph_mode: bool) -> UnshardStorage:

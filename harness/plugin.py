@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from harness import backend as backend_mod
-from harness import golden, matrix, mutant, nodes, numerics, protocol, rerun, sidecar, spec
+from harness import forked_compat, golden, matrix, mutant, nodes, numerics, protocol, rerun, sidecar, spec
 from harness.context import RANK_STATE_KEY, DistEnv, RankState
 
 MARKERS = (
@@ -110,6 +110,12 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(TorchrunSession(config), "fsdp_harness_torchrun")
     rerun.register(config, mode)
     sidecar.register(config, mode)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session: pytest.Session) -> None:
+    """Before anything is collected: refuse a pytest that pytest-forked breaks (``forked_compat``)."""
+    forked_compat.check(session.config)
 
 
 @pytest.hookimpl(wrapper=True)

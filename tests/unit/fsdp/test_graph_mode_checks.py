@@ -67,7 +67,8 @@ def test_non_capturable_optimizers_fail() -> None:
 def test_binding_checks_and_keeps_the_user_class_name() -> None:
     """attach_engines checks for a graph-mode engine before it swaps the class; an already
     bound optimizer is still named by the user's class."""
-    graph_engine, plain_engine = SimpleNamespace(graph_mode=True), SimpleNamespace(graph_mode=False)
+    graph_engine = SimpleNamespace(config=SimpleNamespace(cuda_graph_mode=True))
+    plain_engine = SimpleNamespace(config=SimpleNamespace(cuda_graph_mode=False))
     adam = torch.optim.Adam(_params())
     attach_engines(adam, [plain_engine])  # type: ignore[list-item]
     assert type(adam).__name__ == "FSDPAdam" and bound_engines(adam) == [plain_engine]
