@@ -30,7 +30,7 @@ class Placement:
 
 def force_cpu(config: pytest.Config) -> bool:
     """True when the CPU backend is forced by option or by ``HARNESS_FORCE_CPU=1``."""
-    return config.getoption("harness_backend") == "cpu" or os.environ.get(gpu_lease.ENV_FORCE_CPU, "") not in ("", "0")
+    return config.getoption("harness_backend") == "cpu" or gpu_lease.cpu_forced()
 
 
 def visible_gpus() -> int:

@@ -42,7 +42,7 @@ from typing import Any
 
 import pytest
 
-from harness import golden_file, numerics, protocol
+from harness import golden_file, gpu_lease, numerics, protocol
 from harness.golden_file import GoldenFile, GoldenFileError
 from harness.gpu_generation import generation_of
 from harness.report.junit_format import (
@@ -137,8 +137,7 @@ def detect_platform(device_type: str | None = None) -> str:
         return os.environ[ENV_PLATFORM]
     import torch
 
-    if (device_type == "cpu" or os.environ.get("HARNESS_FORCE_CPU") == "1"
-            or not torch.cuda.is_available()):
+    if device_type == "cpu" or gpu_lease.cpu_forced() or not torch.cuda.is_available():
         return "cpu"
     name = torch.cuda.get_device_name(0).lower()
     return generation_of(name) or name.replace("nvidia", "").strip().replace(" ", "_") or "gpu"

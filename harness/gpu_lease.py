@@ -108,6 +108,12 @@ def _torch_count() -> int:
     return int(torch.cuda.device_count())  # 0 on a CPU-only build
 
 
+def cpu_forced(env: Mapping[str, str] | None = None) -> bool:
+    """``HARNESS_FORCE_CPU`` set to anything but empty or ``0``: the one reader of that variable."""
+    env = os.environ if env is None else env
+    return env.get(ENV_FORCE_CPU, "") not in ("", "0")
+
+
 def visible_gpu_count(env: Mapping[str, str] | None = None) -> int:
     """How many GPUs this process may use.
 
@@ -125,7 +131,7 @@ def visible_gpu_count(env: Mapping[str, str] | None = None) -> int:
         if count < 0:
             raise ValueError(f"{ENV_FAKE_GPUS} must be a non-negative integer, got {fake!r}")
         return count
-    if env.get(ENV_FORCE_CPU, "0") not in ("", "0"):
+    if cpu_forced(env):
         return 0
     entries = visible_device_entries(env)
     if entries is not None and not entries:

@@ -200,3 +200,11 @@ def test_default_device_names_come_from_cuda_visible_devices(tmp_path, monkeypat
         with pytest.raises(LeaseTimeoutError):
             b.acquire(1, timeout_s=0.1)  # physical GPU 3 is held through a's index 1
     assert sorted(p.name for p in tmp_path.glob("gpu-*.lock")) == ["gpu-3.lock", "gpu-GPU-aa_1.lock"]
+
+
+def test_force_cpu_has_one_reader_with_one_meaning() -> None:
+    """``HARNESS_FORCE_CPU``: empty or ``0`` is off, anything else on, for every reader (the backend
+    choice, the GPU count and the golden platform all ask ``gpu_lease.cpu_forced``)."""
+    assert [gpu_lease.cpu_forced({"HARNESS_FORCE_CPU": v}) for v in ("", "0", "1", "yes")] == [False, False, True, True]
+    assert gpu_lease.cpu_forced({}) is False
+    assert gpu_lease.visible_gpu_count({"HARNESS_FORCE_CPU": "yes", "CUDA_VISIBLE_DEVICES": "0"}) == 0
