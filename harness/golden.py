@@ -54,6 +54,8 @@ from harness.report.junit_format import (
     GOLDEN_MISSING,
     GOLDEN_PROPERTY,
     GOLDEN_UPDATED,
+    GoldenComparison,
+    GoldenStatus,
 )
 
 MARKER = "golden: a golden cell: a fixed-seed run compared with the reviewed per-platform file (harness.golden)"
@@ -215,10 +217,10 @@ class GoldenResult:
     cell: str
     platform: str
     path: str
-    status: str  # one of junit_format.GOLDEN_STATUSES
+    status: GoldenStatus
     series: dict[str, SeriesDrift] = field(default_factory=dict)
     golden_versions: dict[str, str] = field(default_factory=dict)  # what the golden file was made with
-    comparison: str = GOLDEN_EXACT  # GOLDEN_EXACT / GOLDEN_BAND
+    comparison: GoldenComparison = GOLDEN_EXACT
     fingerprint: dict[str, str] = field(default_factory=dict)  # this run's
     golden_fingerprint: dict[str, str] | None = None  # the file's (None: a format 1 file or no file)
     problem: str = ""  # why the comparison could not be made (a damaged file, no band)

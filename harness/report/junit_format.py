@@ -29,6 +29,7 @@ never run, missing) and ``<skipped type="harness.not_run">`` for a test that nev
 from __future__ import annotations
 
 import re
+from typing import Final, Literal, get_args
 
 # Outcomes of a test, worst last, as the sidecar records them and the sign-off counts them.
 # FLAKY: failed, then passed on a rerun (never "passed"). NOT_RUN: collected for the run but never
@@ -56,12 +57,18 @@ GOLDEN_PROPERTY = "golden"
 CHECKPOINT_COMPAT_PROPERTY = "checkpoint_compat"
 # A golden cell's status: equal within tolerance; drifted; no golden file for the platform; the file
 # was rewritten (``--golden-update``: nothing was compared).
-GOLDEN_MATCH, GOLDEN_DRIFT, GOLDEN_MISSING, GOLDEN_UPDATED = "match", "drift", "missing", "updated"
-GOLDEN_STATUSES = (GOLDEN_MATCH, GOLDEN_DRIFT, GOLDEN_MISSING, GOLDEN_UPDATED)
+GoldenStatus = Literal["match", "drift", "missing", "updated"]
+GOLDEN_MATCH: Final = "match"
+GOLDEN_DRIFT: Final = "drift"
+GOLDEN_MISSING: Final = "missing"
+GOLDEN_UPDATED: Final = "updated"
+GOLDEN_STATUSES: tuple[GoldenStatus, ...] = get_args(GoldenStatus)
 # How a golden cell was compared: bit for bit / within tolerance (the run's fingerprint equals the
 # file's), or within the file's measured band (the fingerprints differ: ``fingerprint_diff`` names how).
-GOLDEN_EXACT, GOLDEN_BAND = "exact", "band"
-GOLDEN_COMPARISONS = (GOLDEN_EXACT, GOLDEN_BAND)
+GoldenComparison = Literal["exact", "band"]
+GOLDEN_EXACT: Final = "exact"
+GOLDEN_BAND: Final = "band"
+GOLDEN_COMPARISONS: tuple[GoldenComparison, ...] = get_args(GoldenComparison)
 
 # Regression ids as carried in ``regression`` properties and known-bug lists: kebab-case.
 BUG_ID_RE = re.compile(r"^[a-z0-9]+(?:-[a-z0-9]+)*$")
