@@ -96,7 +96,7 @@ def pytest_configure(config: pytest.Config) -> None:
     mutant.apply_from_env()
     mode = protocol.run_mode()
     if mode == protocol.RunMode.CONTROLLER:
-        from harness.controller import Controller
+        from harness.spawn.controller import Controller
 
         if workerinput is None:
             nodes.refuse_multinode_spawn(os.environ)

@@ -60,7 +60,7 @@ class WireEnum(str, enum.Enum):
 class RunMode(WireEnum):
     """The role of this pytest process, chosen once at configure time."""
 
-    RANK = "rank"  # a rank process the spawn-mode controller started (harness._rank_main)
+    RANK = "rank"  # a rank process the spawn-mode controller started (harness.spawn.rank_main)
     TORCHRUN = "torchrun"  # one rank of ``torchrun -m pytest``
     CONTROLLER = "controller"  # plain pytest, or an xdist worker: spawns the buckets
 

@@ -124,7 +124,7 @@ class ReportAnnotator:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        from harness.controller import BUCKET_KEY
+        from harness.spawn.controller import BUCKET_KEY
 
         item = self.item
         if item is None or report.nodeid != item.nodeid or getattr(report, "harness_bucket", None):

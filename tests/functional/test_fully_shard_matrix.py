@@ -133,7 +133,7 @@ def _cases() -> list:
             marks.append(pytest.mark.slow)
         cases.append(pytest.param(model_type, strategy, outer, mesh, common, id=cid, marks=marks))
     # Runnable cases first, skipped ones last (stable sort): the harness tears a bucket down when
-    # the next item is skip-marked (harness/controller.py ``same_next``), so interleaved skips
+    # the next item is skip-marked (harness/spawn/controller.py ``same_next``), so interleaved skips
     # restarted the 8 ranks (imports, process groups, meshes, Dynamo caches) ~30 times.
     return sorted(cases, key=lambda case: any(m.name == "skip" for m in case.marks))
 

@@ -5,7 +5,7 @@ import os
 
 from harness_selftest import SampleRun, pid_alive
 
-from harness.bucket import thread_env
+from harness.spawn.bucket import thread_env
 
 
 def test_twenty_tests_one_set_of_processes(bucket20_run: SampleRun):

@@ -1,7 +1,7 @@
-"""Entry point of one rank process: ``python -m harness._rank_main``.
+"""Entry point of one rank process: ``python -m harness.spawn.rank_main``.
 
 Sets up crash forensics, joins the bucket's process group through the controller's TCPStore, then
-runs an in-process pytest session driven by :class:`harness.rank_session.RankSession`.
+runs an in-process pytest session driven by :class:`harness.spawn.rank_session.RankSession`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def _device(device_type: str) -> object:
 
 
 def main() -> int:
-    from harness import protocol, rank_faults
+    from harness import protocol
+    from harness.spawn import rank_faults
 
     env = os.environ
     rank_faults.install(env[protocol.ENV_FAULT_FILE], int(env.get(protocol.ENV_CONTROLLER_PID, "0")))
@@ -31,7 +32,7 @@ def main() -> int:
 
     from harness import numerics
     from harness.context import DistEnv, RankState
-    from harness.rank_session import RankSession
+    from harness.spawn.rank_session import RankSession
 
     numerics.apply_from_env()  # pinned numerics' in-process part, before any test computes
     rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])

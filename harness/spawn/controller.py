@@ -17,10 +17,10 @@ import pytest
 
 from harness import backend as backend_mod
 from harness import gpu_lease, node_ids, numerics
-from harness import procs as procs_mod
-from harness.bucket import Bucket, BucketSetup, TestOutcome
 from harness.combine import ReportBuilder, needs_restart, warn_state_changes
 from harness.protocol import SIGNAL_NAME_ATTR
+from harness.spawn import procs as procs_mod
+from harness.spawn.bucket import Bucket, BucketSetup, TestOutcome
 from harness.spec import SPEC_KEY, DistSpec, resolve_startup_timeout, resolve_timeout
 
 
@@ -196,7 +196,7 @@ class Controller:
             session_shared_dir=self.session_shared_dir(), pinned_numerics=key.pinned,
             startup_s=resolve_startup_timeout(self.config, placement.backend),
             grace_s=float(self.config.getoption("harness_grace")),
-            harness_path=pathlib.Path(__file__).resolve().parent.parent,
+            harness_path=pathlib.Path(__file__).resolve().parents[2],  # the directory holding the harness package
         )
         self.active = Bucket(setup)
         self.active_key = key

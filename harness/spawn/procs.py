@@ -86,13 +86,13 @@ class RankProcess:
 
 
 def start_rank(rank: int, workdir: pathlib.Path, cwd: pathlib.Path, env: dict[str, str]) -> RankProcess:
-    """Start ``python -m harness._rank_main`` for one rank in a new session."""
+    """Start ``python -m harness.spawn.rank_main`` for one rank in a new session."""
     log_path = workdir / f"rank{rank}.log"
     fault_path = workdir / f"rank{rank}.fault"
     fault_path.touch()
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(
-            [sys.executable, "-m", "harness._rank_main"], cwd=str(cwd), env=env,
+            [sys.executable, "-m", "harness.spawn.rank_main"], cwd=str(cwd), env=env,
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     return RankProcess(rank=rank, popen=popen, log_path=log_path, fault_path=fault_path,

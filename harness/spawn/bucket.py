@@ -13,10 +13,10 @@ import pathlib
 import time
 
 from harness import numerics, protocol
-from harness import procs as procs_mod
 from harness.backend import Placement
 from harness.outcome import Fault, TestOutcome, first_failed_rank
-from harness.rank_faults import DUMP_SIGNAL
+from harness.spawn import procs as procs_mod
+from harness.spawn.rank_faults import DUMP_SIGNAL
 from harness.wait import Payloads, wait_for_answers
 
 
