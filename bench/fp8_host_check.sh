@@ -2,7 +2,7 @@
 # Issue 29 on one GPU with TransformerEngine: do the FP8 bytes still equal TE's, how much host time
 # do our FP8 hooks take per 1.3B step, and what does eager FP8 give. About 7 minutes on one H200.
 #
-#   source .te/install.sh && bash bench/fp8_host_check.sh OUT_DIR
+#   bash bench/fp8_host_check.sh OUT_DIR        (on a GPU machine with TransformerEngine installed)
 #
 # Stages (each under `timeout`; a failing stage is reported and the next one runs):
 #   1. tests.txt / tests.xml: the TE FP8 suites (byte equality with TE's own quantisation, losses
