@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .assembly import MeshArgs, wrap_model
+from .compile_units import CompileUnits, compile_units as apply_compile_units, parse_compile_units
 from .config import FSDPConfig
 from .dcp_optim_state import PlaceholderStateHook
 from .decoupled import check_decoupled_grad_consistency
@@ -144,10 +145,13 @@ def fully_shard(
     maxpool_double_buffer: bool = False,
     *,
     offload_policy: OffloadPolicy | None = None,
+    compile_units: CompileUnits = None,
 ) -> tuple[FullyShardedModule, torch.optim.Optimizer]:
     """``fully_shard_model`` + point ``optimizer``'s param groups at the shards and
     ``fully_shard_optimizer`` (the other arguments, ``offload_policy`` included, are
-    ``fully_shard_model``'s)."""
+    ``fully_shard_model``'s). Keyword-only ``compile_units``: True or a dict of ``torch.compile``
+    options compiles each unit's forward, the engine's hooks eager around it, counted in
+    ``model.compile_stats`` (``fsdp_impl.compile_units``); None or False: off."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(module, nn.Module):
@@ -165,6 +169,7 @@ def fully_shard(
     if cuda_graph_mode is True:
         check_optimizer_capturable(optimizer)
     check_offload_optimizer(offload_policy, optimizer)
+    compile_options = parse_compile_units(compile_units)  # fail before wrapping
     model = fully_shard_model(
         module, device_mesh=device_mesh, dp_shard_dim=dp_shard_dim, dp_outer_dim=dp_outer_dim, tp_dim=tp_dim,
         hybrid_fsdp_group=hybrid_fsdp_group, hybrid_fsdp_expt_group=hybrid_fsdp_expt_group,
@@ -183,6 +188,8 @@ def fully_shard(
         enable_fine_grained_param_gather=enable_fine_grained_param_gather, use_decoupled_grad=use_decoupled_grad,
         cuda_graph_mode=cuda_graph_mode, maxpool_double_buffer=maxpool_double_buffer,
         offload_policy=offload_policy)
+    if compile_options is not None:
+        apply_compile_units(model, compile_options)
     remap_optimizer_params(optimizer, param_mapping(model))
     # the optimizer held the user's original params until now: their memory is free only here
     release_cached_memory(model._fsdp_engine.ctx.device)
