@@ -195,10 +195,21 @@ class _CompiledForward:
         stats = self.stats
         stats.calls += 1
         before = Counter(counters["graph_break"])
+        # Dynamo runs a frame (or a nested frame after a graph break) eagerly, with a warning,
+        # once it hit the recompile limit: inside a unit that is an error (set, not patched: ~5 us)
+        config = torch._dynamo.config
+        fail_before = config.fail_on_recompile_limit_hit
+        config.fail_on_recompile_limit_hit = True
         try:
             with self.backend.crediting(stats):
                 return self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            raise RuntimeError(f"compile_units: unit {stats.name!r} hit Dynamo's recompile limit (torch._dynamo."
+                               f"config.recompile_limit = {_recompile_limit()}), past which Dynamo runs the frame "
+                               "eagerly; raise the limit (one entry per distinct shape/guard of the unit's frames) "
+                               f"or make the unit's code shape-stable; graph breaks seen: {stats.graph_breaks}") from e
         finally:
+            config.fail_on_recompile_limit_hit = fail_before
             new = Counter(counters["graph_break"])
             new.subtract(before)
             for reason, n in new.items():
@@ -228,6 +239,11 @@ class _CheckAfterForward:
             self.handle.remove()
 
 
+def _recompile_limit() -> int:
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", None) or config.cache_size_limit)
+
+
 def no_compiled_code_error(name: str, unit: UnitCompileStats, code: Any) -> str:
     """The message for a unit whose forward ran without any compiled graph, with the cause."""
     label = repr(name) if name else "the root (the model has no other unit)"
@@ -236,7 +252,7 @@ def no_compiled_code_error(name: str, unit: UnitCompileStats, code: Any) -> str:
         causes.append("Dynamo is disabled (torch._dynamo.config.disable / TORCHDYNAMO_DISABLE=1)")
     if not torch._dynamo.is_dynamo_supported():
         causes.append("Dynamo does not support this Python version")
-    limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
+    limit = _recompile_limit()
     entries = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
     if entries >= limit:
         causes.append(f"{code.co_name} hit Dynamo's recompile limit ({entries} cached graphs >= "
