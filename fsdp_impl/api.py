@@ -15,7 +15,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .assembly import MeshArgs, wrap_model
-from .compile_units import CompileUnits, compile_units as apply_compile_units, parse_compile_units
+from .compile_units import CompileUnits, parse_compile_units
+from .compile_units import compile_units as apply_compile_units
 from .config import FSDPConfig
 from .dcp_optim_state import PlaceholderStateHook
 from .decoupled import check_decoupled_grad_consistency

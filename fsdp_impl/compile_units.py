@@ -286,7 +286,7 @@ def compile_units(model: FullyShardedModule, opts: CompileOptions) -> CompileSta
         stats.units[name] = UnitCompileStats(name)
         forwards[name] = _CompiledForward(module, opts, backend, stats.units[name])
     for name, forward in forwards.items():
-        setattr(inner.get_submodule(name), "forward", forward)
+        setattr(inner.get_submodule(name), "forward", forward)  # noqa: B010 (nn.Module.__setattr__ is typed for tensors)
     check = _CheckAfterForward(stats, forwards)
     check.handle = model.register_forward_hook(check)
     setattr(model, "compile_stats", stats)  # noqa: B010 (nn.Module's __setattr__ is typed for tensors)
