@@ -16,6 +16,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .assembly import MeshArgs, wrap_model
+from .compile_units import CompileUnits, parse_compile_units
+from .compile_units import compile_units as apply_compile_units
 from .config import CONFIG_ARGUMENTS, FSDPConfig
 from .dcp_optim_state import PlaceholderStateHook
 from .decoupled import check_decoupled_grad_consistency
@@ -144,10 +146,13 @@ def fully_shard(
     maxpool_double_buffer: bool = False,
     *,
     offload_policy: OffloadPolicy | None = None,
+    compile_units: CompileUnits = None,
 ) -> tuple[FullyShardedModule, torch.optim.Optimizer]:
     """``fully_shard_model`` + point ``optimizer``'s param groups at the shards and
     ``fully_shard_optimizer`` (the other arguments, ``offload_policy`` included, are
-    ``fully_shard_model``'s)."""
+    ``fully_shard_model``'s). Keyword-only ``compile_units``: True or a dict of ``torch.compile``
+    options compiles each unit's forward, the engine's hooks eager around it, counted in
+    ``model.compile_stats`` (``fsdp_impl.compile_units``); None or False: off."""
     arguments = dict(locals())
     _check_optimizer(optimizer)
     if isinstance(module, nn.Module):
@@ -164,7 +169,10 @@ def fully_shard(
     if config.cuda_graph_mode:
         check_optimizer_capturable(optimizer)
     check_offload_optimizer(config.offload_policy, optimizer)
+    compile_options = parse_compile_units(compile_units)  # fail before wrapping
     model = _wrap(module, config, arguments)
+    if compile_options is not None:
+        apply_compile_units(model, compile_options)
     remap_optimizer_params(optimizer, param_mapping(model))
     # the optimizer held the user's original params until now: their memory is free only here
     release_cached_memory(model._fsdp_engine.ctx.device)

@@ -48,7 +48,8 @@ def _comparable(default: Any) -> Any:
 
 
 # Our keyword-only extensions after Megatron-FSDP's arguments (not part of the drop-in signature).
-KEYWORD_ONLY = {"fully_shard_model": [("offload_policy", None)], "fully_shard": [("offload_policy", None)],
+KEYWORD_ONLY = {"fully_shard_model": [("offload_policy", None)],
+                "fully_shard": [("offload_policy", None), ("compile_units", None)],
                 "fully_shard_optimizer": []}
 
 
