@@ -33,7 +33,7 @@ def test_table_bounds_each_offloaded_step_by_its_bytes_over_the_bandwidth() -> N
     table = offload_bench._table(rows, {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "duplex_each_gbps": 50.0})
     lines = table.splitlines()
     # ours-gpu moves 16 bytes per parameter each way (main params, moments, grads): 16e9 B / 50 GB/s = 320 ms
-    assert lines[2].startswith("| ours-gpu | 7b | 1000 | 900 | 300 | 600 | 15.20 | 2.40 | 104.3 |")
+    assert lines[2].startswith("| ours-gpu | 7b | 1000 |  | 900 | 300 | 600 | 15.20 | 2.40 | 104.3 |")  # no anchor row
     assert lines[2].endswith("| 320 |")
     assert lines[3].endswith("| 10.400/10.100 |  |")  # no offload: no bound
     assert lines[4].startswith("| fsdp2 | 7b | OOM |")
@@ -51,6 +51,7 @@ def test_a_cell_runs_in_its_own_process_and_a_failure_is_a_row() -> None:
 
 
 def test_a_size_sweep_steps_each_cell_up_until_it_does_not_train(capsys: pytest.CaptureFixture) -> None:
+    """Rounds alternate the cells at each size (issue 48: a drift of the host's speed falls on all)."""
     fits = {"ours-gpu-hostall": ["1.3b", "7b"], "fsdp2-offload": ["1.3b"]}  # what each cell trains
     calls: list[tuple[str, str]] = []
 
@@ -61,12 +62,53 @@ def test_a_size_sweep_steps_each_cell_up_until_it_does_not_train(capsys: pytest.
         return {"cell": cell, "size": size, "status": "OOM", "detail": "CUDA out of memory"}
 
     sizes = ["1.3b", "7b", "13b"]
-    rows = offload_bench.sweep(list(fits), sizes, argparse.Namespace(), spawn=spawn)
+    rows = offload_bench.sweep(list(fits), sizes, argparse.Namespace(reps=1), spawn=spawn)
     # fsdp2-offload stops at its first failure: 13b is not tried after 7b ran out of memory
-    assert calls == [("ours-gpu-hostall", "1.3b"), ("ours-gpu-hostall", "7b"), ("ours-gpu-hostall", "13b"),
-                     ("fsdp2-offload", "1.3b"), ("fsdp2-offload", "7b")]
+    assert calls == [("ours-gpu-hostall", "1.3b"), ("fsdp2-offload", "1.3b"), ("ours-gpu-hostall", "7b"),
+                     ("fsdp2-offload", "7b"), ("ours-gpu-hostall", "13b")]
     assert len(capsys.readouterr().out.splitlines()) == len(rows) == 5  # each row printed as it ends
     assert offload_bench.largest(rows, list(fits), sizes).splitlines() == [
-        "Largest size trained:", "- ours-gpu-hostall: 7b (200 tokens/s, peak 9.00 GiB)",
-        "- fsdp2-offload: 1.3b (400 tokens/s, peak 9.00 GiB)"]
+        "Largest size trained:", "- ours-gpu-hostall: 7b (300 tokens/s, peak 9.00 GiB)",
+        "- fsdp2-offload: 1.3b (200 tokens/s, peak 9.00 GiB)"]
     assert offload_bench.largest([], ["ours"], sizes).endswith("- ours: none of 1.3b,7b,13b")
+
+
+def test_medians_of_fresh_runs_are_put_against_fsdp2_with_its_fused_adamw() -> None:
+    """Three runs a cell: the median run stands for it, and every row is divided by the anchor's
+    median at the same size (FSDP2 + CPUOffloadPolicy + AdamW(fused=True), not its unfused cell)."""
+    speeds = {"fsdp2-offload-fused": [100.0, 300.0, 200.0], "fsdp2-offload": [60.0, 50.0, 70.0],
+              "ours-gpu": [250.0, 210.0, 400.0]}
+    seen: dict[str, int] = {}
+
+    def spawn(cell: str, size: str, args: argparse.Namespace) -> dict:
+        i = seen[cell] = seen.get(cell, -1) + 1
+        return {"cell": cell, "size": size, "status": "ok", "tokens_per_s": speeds[cell][i], "params": 10,
+                "step_ms": 1.0, "fwd_bwd_ms": 1.0, "opt_ms": 0.0, "peak_gib": 1.0, "rest_gib": 0.5,
+                "loss_first": 1.0, "loss_last": 0.5}
+
+    runs = offload_bench.sweep(list(speeds), ["1.3b"], argparse.Namespace(reps=3), spawn=spawn)
+    assert [r["rep"] for r in runs] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    rows = offload_bench.medians(runs)
+    assert [(r["cell"], r["tokens_per_s"], r["runs"]) for r in rows] == [
+        ("fsdp2-offload-fused", 200.0, 3), ("fsdp2-offload", 60.0, 3), ("ours-gpu", 250.0, 3)]
+    assert offload_bench.versus_anchor(rows) == {("fsdp2-offload-fused", "1.3b"): 1.0,
+                                                 ("fsdp2-offload", "1.3b"): 0.3, ("ours-gpu", "1.3b"): 1.25}
+    lines = offload_bench._table(rows, None).splitlines()
+    assert "vs fsdp2-offload-fused" in lines[0]
+    assert lines[3].startswith("| fsdp2-offload | 1.3b | 60 | 0.30x |")
+    assert lines[4].startswith("| ours-gpu | 1.3b | 250 | 1.25x |")
+    assert offload_bench.DEFAULT_CELLS[0] == offload_bench.ANCHOR == "fsdp2-offload-fused"
+
+
+def test_a_failed_run_stands_for_its_cell_and_the_cell_leaves_the_race() -> None:
+    def spawn(cell: str, size: str, args: argparse.Namespace) -> dict:
+        if cell == "ours-gpu" and size == "7b":
+            return {"cell": cell, "size": size, "status": "OOM", "detail": "CUDA out of memory"}
+        return {"cell": cell, "size": size, "status": "ok", "tokens_per_s": 1.0}
+
+    runs = offload_bench.sweep(["ours-gpu", "ours"], ["1.3b", "7b", "13b"], argparse.Namespace(reps=2), spawn=spawn)
+    assert [(r["cell"], r["size"]) for r in runs if r["size"] != "1.3b"] == [
+        ("ours-gpu", "7b"), ("ours", "7b"), ("ours", "7b"), ("ours", "13b"), ("ours", "13b")]
+    rows = offload_bench.medians(runs)
+    assert [(r["cell"], r["size"], r["status"]) for r in rows if r["cell"] == "ours-gpu"] == [
+        ("ours-gpu", "1.3b", "ok"), ("ours-gpu", "7b", "OOM")]
