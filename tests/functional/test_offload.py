@@ -364,7 +364,7 @@ def test_window_that_cannot_fit_is_refused_at_wrap_time(dist_env, monkeypatch) -
     the same error (the other rank must not wait in the wrap's next collective), naming
     OffloadPolicy.chunk_bytes, the bytes needed on that rank and its free bytes; the module is
     left as it was. Here rank 1 reports 1000 free bytes."""
-    import fsdp_impl.offload as offload
+    import fsdp_impl.offload.host as offload
     device, rank = dist_env.device, dist.get_rank()
     free = 1000
     real = offload.free_memory

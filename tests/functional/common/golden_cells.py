@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_impl
-from fsdp_impl.offload import stream_on_cpu_for_tests
+from fsdp_impl.offload.host import stream_on_cpu_for_tests
 from fsdp_impl.placement import local_tensor
 
 from . import fp8_training

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_impl
-from fsdp_impl.offload import stream_on_cpu_for_tests
+from fsdp_impl.offload.host import stream_on_cpu_for_tests
 
 from .checkpointing import Case
 from .mesh import seed_kwargs, seed_mesh

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp_impl
-from fsdp_impl.fp8_params import ModelFp8
+from fsdp_impl.fp8.params import ModelFp8
 from fsdp_impl.graph_mode import run_graph_mode_on_cpu
 from tests.functional.common import fp8_training as ft
 

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 from torch.profiler import record_function
 
-from .device import CommStream, free_memory, wait_on_host
+from ..device import CommStream, free_memory, wait_on_host
 
 ALIGN = 128  # elements: a piece of a parameter starts at a multiple of this from the param's start
 WINDOW_SLOTS = 3  # chunks resident in the device window: H2D, math and D2H overlap

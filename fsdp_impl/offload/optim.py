@@ -7,7 +7,7 @@ the host step, and the streamed step's Adam kernels and state buffers.
   both ``fused`` and ``foreach`` at None run torch's fused CPU kernel (``prepare_host_step``).
 * ``step="gpu"``: ``OffloadedAdamStep`` replaces the optimizer's ``step``: it creates the state
   as the optimizer would (its own lazy init), moves it into one flat buffer per unit and state
-  key (host memory, pinned), and runs ``offload_step.StreamedStep`` with a kernel that calls the
+  key (host memory, pinned), and runs ``step.StreamedStep`` with a kernel that calls the
   optimizer's own update function (``torch.optim.adam.adam`` with the group's flags, or
   ``fsdp_impl.optim``'s path choice) on each chunk's views. The math, flags and kernel choice
   are those of the non-offloaded step, so the result is bit-identical to it. Each parameter's
@@ -25,21 +25,21 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype  # Adam's step-counter dtype (torch's own rule)
 
-from .decoupled import read_grad
-from .device import host_device, pinned_zeros, synchronize
-from .graph_mode import USER_CLASS_ATTR
-from .offload import OffloadPolicy
-from .offload_step import GRAD, PARAM, StepStreams, StreamedStep, StreamEntry
-from .optim import Adam as FsdpAdam
-from .optim import AdamW as FsdpAdamW
-from .optim._adam_math import AdamTensors
-from .optim.adam import step_group
-from .placement import local_tensor
+from ..decoupled import read_grad
+from ..device import host_device, pinned_zeros, synchronize
+from ..graph_mode import USER_CLASS_ATTR
+from ..optim import Adam as FsdpAdam
+from ..optim import AdamW as FsdpAdamW
+from ..optim._adam_math import AdamTensors
+from ..optim.adam import step_group
+from ..placement import local_tensor
+from .host import OffloadPolicy
+from .step import GRAD, PARAM, StepStreams, StreamedStep, StreamEntry
 
 if TYPE_CHECKING:
-    from .engine import FSDPEngine
-    from .param import ManagedParam
-    from .unit import FSDPUnit
+    from ..engine import FSDPEngine
+    from ..param import ManagedParam
+    from ..unit import FSDPUnit
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _RUNNER_ATTR = "_fsdp_offload_step"

@@ -15,7 +15,7 @@ What lives where (per rank, for its shards only):
 * ``optimizer_state``: the optimizer's state tensors live in host memory.
 * ``step``: ``"cpu"`` runs the user's optimizer on the host tensors (FSDP2's ``CPUOffloadPolicy``);
   ``"gpu"`` streams the host state through a small device window in chunks and does the Adam math
-  on the device (``offload_step.py``).
+  on the device (``step.py``).
 
 Host buffers are pinned (page-locked) with ``pin_memory=True``, so copies run asynchronously on
 side streams; without pinning they are synchronous copies. Pinned buffers hold exactly their bytes
@@ -33,15 +33,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .buffers import DataParallelBuffer
-from .device import free_memory, host_device, pinned_memory_available, pinned_zeros, synchronize
-from .offload_step import WINDOW_SLOTS, window_capacity, window_too_large
-from .policy import ResolvedDtypes
-from .sharding import FlatLayout
+from ..buffers import DataParallelBuffer
+from ..device import free_memory, host_device, pinned_memory_available, pinned_zeros, synchronize
+from ..policy import ResolvedDtypes
+from ..sharding import FlatLayout
+from .step import WINDOW_SLOTS, window_capacity, window_too_large
 
 if TYPE_CHECKING:
-    from .param import ManagedParam
-    from .unit_context import UnitContext
+    from ..param import ManagedParam
+    from ..unit_context import UnitContext
 
 STEPS = ("gpu", "cpu")
 MIN_CHUNK_BYTES = 4096
@@ -158,7 +158,7 @@ def check_offload(policy: object, device: torch.device, cuda_graph_mode: bool, m
                          f"but the model runs on {device.type!r}"
                          f"{'' if device.type != 'cuda' else ' and CUDA is not available'}; pass "
                          "OffloadPolicy(pin_memory=False)")
-    from .fp8_params import has_fp8_params  # FP8 is refused; imported here to keep offload light
+    from ..fp8.params import has_fp8_params  # FP8 is refused; imported here to keep offload light
     if has_fp8_params(module):
         raise NotImplementedError("offload_policy with FP8 parameters is not implemented yet: their FP8 bytes are "
                                   "quantised from device-resident main shards; pass offload_policy=None")
