@@ -23,9 +23,8 @@ side streams; without pinning they are synchronous copies. Pinned buffers hold e
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import _testing
 from ..buffers import DataParallelBuffer
 from ..device import free_memory, host_device, pinned_memory_available, pinned_zeros, synchronize
 from ..policy import ResolvedDtypes
@@ -46,8 +46,6 @@ if TYPE_CHECKING:
 STEPS = ("gpu", "cpu")
 MIN_CHUNK_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 64 * 2**20
-
-_cpu_window_allowed = False  # see stream_on_cpu_for_tests
 
 
 @dataclass(frozen=True)
@@ -121,19 +119,6 @@ class OffloadPolicy:
         return self.main_params and not self.params
 
 
-@contextlib.contextmanager
-def stream_on_cpu_for_tests() -> Iterator[None]:
-    """Test-only: allow ``step="gpu"`` on a CPU mesh, where the streamed step's "device window"
-    is host memory too and its streams are no-ops, so the chunking and the copies run (and can be
-    recorded) on gloo. Outside this context ``step="gpu"`` needs a CUDA device."""
-    global _cpu_window_allowed
-    previous, _cpu_window_allowed = _cpu_window_allowed, True
-    try:
-        yield
-    finally:
-        _cpu_window_allowed = previous
-
-
 def checked_policy(policy: object) -> OffloadPolicy | None:
     """``offload_policy`` itself, refused unless it is an ``OffloadPolicy`` or None."""
     if policy is not None and not isinstance(policy, OffloadPolicy):
@@ -150,7 +135,7 @@ def check_offload(policy: object, device: torch.device, cuda_graph_mode: bool, m
         raise ValueError("offload_policy cannot be combined with cuda_graph_mode=True: the offloaded step "
                          "synchronises with the host and moves state between host and device buffers that "
                          "a captured graph cannot follow; pass offload_policy=None or cuda_graph_mode=False")
-    if policy.step == "gpu" and device.type != "cuda" and not _cpu_window_allowed:
+    if policy.step == "gpu" and device.type != "cuda" and not _testing.STREAMED_STEP_ON_CPU.active:
         raise ValueError(f"offload_policy.step='gpu' streams the optimizer state through a CUDA device, but "
                          f"the model runs on {device.type!r}; use OffloadPolicy(step='cpu'), or run on GPUs")
     if policy.pin_memory and not pinned_memory_available(device):

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from torch.optim.adam import adam
 
 import fsdp_impl
-from fsdp_impl.offload.host import MIN_CHUNK_BYTES, OffloadPolicy, check_offload, stream_on_cpu_for_tests
+from fsdp_impl._testing import STREAMED_STEP_ON_CPU
+from fsdp_impl.offload.host import MIN_CHUNK_BYTES, OffloadPolicy, check_offload
 from fsdp_impl.offload.optim import check_offload_optimizer
 from fsdp_impl.offload.step import ALIGN, StepStreams, StreamedStep, StreamEntry, _coalesce, plan_chunks
 
@@ -87,7 +88,7 @@ def test_wrap_time_errors_name_the_field() -> None:
         check_offload(OffloadPolicy(step="cpu", pin_memory=False), CPU, True, module)
     check_offload(OffloadPolicy(step="cpu", pin_memory=False), CPU, False, module)
     check_offload(None, CPU, True, module)
-    with stream_on_cpu_for_tests():
+    with STREAMED_STEP_ON_CPU.on():
         check_offload(OffloadPolicy(pin_memory=False), CPU, False, module)
 
 
