@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,9 @@ if TYPE_CHECKING:
     from ..param import ManagedParam
     from ..unit_context import UnitContext
 
-STEPS = ("gpu", "cpu")
+# Where the optimizer steps (``OffloadPolicy.step``): streamed through the device, or on the host
+StepMode = Literal["gpu", "cpu"]
+STEPS: tuple[StepMode, ...] = get_args(StepMode)
 MIN_CHUNK_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
@@ -74,7 +76,7 @@ class OffloadPolicy:
     main_params: bool = True
     grads: bool | None = None
     params: bool = False
-    step: str = "gpu"
+    step: StepMode = "gpu"
     pin_memory: bool = True
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
