@@ -72,7 +72,12 @@ fi
 if [ -n "$base" ]; then
     tree=$(mktemp -d /tmp/fp8_base_tree.XXXXXX)
     cp -r fsdp_impl bench harness "$tree"/ 2>/dev/null; cp -f pyproject.toml "$tree"/ 2>/dev/null
-    cp -f "$base/fsdp_impl/fp8_te.py" "$base/fsdp_impl/fp8_params.py" "$tree/fsdp_impl/"
+    # the two files now live in fsdp_impl/fp8/ as te.py and params.py: one package level down
+    for f in te params; do
+        sed -E -e 's/^( *)from \.( |[A-Za-z_])/\1from ..\2/' -e 's/^( *)from \.\.fp8\./\1from ./' \
+            -e 's/^( *)from \.\.fp8_(te|params) import/\1from .\2 import/' \
+            "$base/fsdp_impl/fp8_$f.py" > "$tree/fsdp_impl/fp8/$f.py"
+    done
     (cd "$tree" && run_stage hooks_base "${FP8_CHECK_HOOKS_S:-150}" "$py" -m bench.host_profile \
         --impls "${hook_impls%%,*}" --size "$size" --hooks --steps 5 --warmup 3 > "$out/hooks_base.md" 2>&1)
     grep -E '^(====|\| )' "$out/hooks_base.md" | head -20

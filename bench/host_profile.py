@@ -103,7 +103,8 @@ class _Clock:
 def _patched(clock: _Clock, engine: Any, trainee: Any = None) -> Iterator[list[tuple[str, str]]]:
     """Time the FP8 hooks (class attributes, restored after) and the engine's entry points
     (instance attributes, removed after); yields (name, what) rows in table order."""
-    from fsdp_impl import fp8_params, fp8_te
+    from fsdp_impl.fp8 import params as fp8_params
+    from fsdp_impl.fp8 import te as fp8_te
 
     rows: list[tuple[str, str]] = []
     undo: list[Callable[[], None]] = []

@@ -168,9 +168,9 @@ def rank0_decides(env: Env, decision: bool) -> bool:
 
 
 def reset_te_fp8_state() -> None:
-    """``fsdp_impl.fp8_te.reset_te_fp8_state`` (TE's process-global FP8 registry), imported when
+    """``fsdp_impl.fp8.te.reset_te_fp8_state`` (TE's process-global FP8 registry), imported when
     called so that importing ``bench`` does not import the engine."""
-    from fsdp_impl.fp8_te import reset_te_fp8_state as reset
+    from fsdp_impl.fp8.te import reset_te_fp8_state as reset
 
     reset()
 

@@ -26,8 +26,8 @@ from .discovery import UnitSpec, resolve_unit_classes
 from .engine import FSDPEngine
 from .graph_mode import check_optimizer_capturable
 from .module import FullyShardedModule
-from .offload import OffloadPolicy
-from .offload_optim import check_offload_optimizer
+from .offload.host import OffloadPolicy
+from .offload.optim import check_offload_optimizer
 from .optimizer_binding import ENGINE_REF_ATTR, attach_engines, param_mapping, remap_optimizer_params
 from .policy import MixedPrecisionPolicy, ShardingStrategy, check_bool, parse_strategy
 from .validation import check_not_wrapped

@@ -25,7 +25,7 @@ from .device import CommStreams, release_cached_memory, resolve_device
 from .discovery import assign_params, find_unit_modules
 from .engine import FSDPEngine
 from .expert import resolve_expert_dims, split_experts
-from .fp8_params import has_fp8_params, model_fp8, unit_fp8
+from .fp8.params import has_fp8_params, model_fp8, unit_fp8
 from .grad_reduce import GradScaling, OuterGradReducer, two_level_groups
 from .graph_mode import check_cuda_graph_mode
 from .hooks import register_hooks
@@ -34,7 +34,7 @@ from .meta_init import materialise, sync_rng_from_rank0
 from .module import FullyShardedModule
 from .nccl_ub import UserBuffers, registration_groups
 from .nccl_ub import check_backend as check_nccl_backend
-from .offload import ModelOffload, check_offload, check_window
+from .offload.host import ModelOffload, check_offload, check_window
 from .optimizer_binding import ENGINE_REF_ATTR
 from .parallel_dims import ParallelDims, attach_tp_specs, check_gather_group, resolve_parallel_dims
 from .param import ManagedParam

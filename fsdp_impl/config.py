@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
-from .offload import OffloadPolicy, checked_policy
+from .offload.host import OffloadPolicy, checked_policy
 from .policy import MixedPrecisionPolicy, ShardingStrategy, check_bool
 from .unshard_storage import UnshardStorage
 

@@ -23,8 +23,8 @@ from .unshard_storage import GatherPhase
 
 if TYPE_CHECKING:
     from .config import FSDPConfig
-    from .fp8_params import ModelFp8
-    from .offload import ModelOffload
+    from .fp8.params import ModelFp8
+    from .offload.host import ModelOffload
 
 
 def phase_label(phase: str, unit: FSDPUnit) -> str:
@@ -66,8 +66,8 @@ class FSDPEngine:
         self.ctx = ctx  # the ordinary units' context; its config is the model's (``config``)
         self.sync = self.config.sync_model_each_microbatch  # set_model_auto_sync changes it
         self.outer_reducer = outer_reducer  # HSDP: averages grads across dp_outer once per cycle
-        self.fp8 = fp8  # FP8 params / delayed scaling (fp8_params.py)
-        self.offload = offload  # CPU offload (offload.py)
+        self.fp8 = fp8  # FP8 params / delayed scaling (fp8/params.py)
+        self.offload = offload  # CPU offload (offload/host.py)
         self.comm_dtype_override: torch.dtype | None = None
         self._callback_queued = False
         # From the first pre-backward (or grad) of a backward until its end-of-backward callback:

@@ -9,35 +9,18 @@ every root pre-forward (``engine.py``).
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
+from . import _testing
 from .unshard_storage import UnshardStorage
-
-_cpu_allowed = False  # see run_graph_mode_on_cpu
 
 # Set by fsdp_impl.optimizer_binding on the subclass it swaps in: the user's optimizer class.
 USER_CLASS_ATTR = "_fsdp_user_class"
 
 
-@contextlib.contextmanager
-def run_graph_mode_on_cpu() -> Iterator[None]:
-    """Test-only: let ``cuda_graph_mode=True`` wrap a CPU model, so the graph-mode bookkeeping
-    (persistent buffers, refresh every forward, grad views) runs eagerly on gloo. Nothing can be
-    captured there; outside this context graph mode on CPU is an error."""
-    global _cpu_allowed
-    previous, _cpu_allowed = _cpu_allowed, True
-    try:
-        yield
-    finally:
-        _cpu_allowed = previous
-
-
 def check_cuda_graph_mode(device_type: str, report_nan: bool, storage: UnshardStorage) -> UnshardStorage:
     """Validate a graph-mode wrap; returns the resolved unshard storage."""
-    if device_type != "cuda" and not _cpu_allowed:
+    if device_type != "cuda" and not _testing.GRAPH_MODE_ON_CPU.active:
         raise ValueError(f"cuda_graph_mode=True needs a CUDA device mesh (NCCL process group), but the "
                          f"mesh is on {device_type!r}; CUDA graphs exist only on CUDA devices. Pass "
                          "cuda_graph_mode=False, or run on GPUs")

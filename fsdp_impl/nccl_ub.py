@@ -23,7 +23,7 @@ segment sizes are compared within each group and the verdict shared over all ran
 (``agree_on_segments``): a mismatch is one clear error everywhere, before anything is registered.
 
 On a machine without NCCL, ``nccl_ub=True`` is an error naming the backend; tests run the
-bookkeeping on gloo with ``record_registrations()`` (no pool, the registrations recorded).
+bookkeeping on gloo with ``NCCL_UB_RECORDED.on()`` (no pool, the registrations recorded).
 """
 from __future__ import annotations
 
@@ -34,23 +34,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from . import _testing
 from .device import current
 
-_recording: list[list[tuple[int, ...]]] | None = None  # see record_registrations (test-only)
 G = TypeVar("G")  # a process group (tests stand in tuples of ranks)
-
-
-@contextlib.contextmanager
-def record_registrations() -> Iterator[list[list[tuple[int, ...]]]]:
-    """Test-only: let ``nccl_ub=True`` wrap on any backend; each model's registrations (the
-    global ranks of each group, in order) are appended to the yielded list instead of reaching
-    NCCL."""
-    global _recording
-    previous, _recording = _recording, []
-    try:
-        yield _recording
-    finally:
-        _recording = previous
 
 
 def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
@@ -75,7 +62,7 @@ def registration_groups(groups: Sequence[tuple[str, dist.ProcessGroup | None]]) 
 
 def check_backend(groups: Sequence[dist.ProcessGroup]) -> None:
     """``nccl_ub=True`` needs NCCL on every group it registers with (before anything is built)."""
-    if _recording is not None:
+    if _testing.NCCL_UB_RECORDED.active:
         return
     for g in groups:
         backend = str(dist.get_backend(g)).lower()
@@ -170,7 +157,7 @@ class UserBuffers:
         self.symmetric = symmetric
         self.registrations = 0  # registrations made (one per group, once)
         self.pool: torch.cuda.MemPool | None = None
-        if _recording is None:
+        if not _testing.NCCL_UB_RECORDED.active:
             self.pool = torch.cuda.MemPool(nccl_allocator(groups[0], device))
         self._registered = False
 
@@ -189,8 +176,9 @@ class UserBuffers:
             return
         self._registered = True
         if self.pool is None:
-            assert _recording is not None
-            _recording.append([group_ranks(g) for g in self.groups])
+            recording = _testing.NCCL_UB_RECORDED.value
+            assert recording is not None
+            recording.append([group_ranks(g) for g in self.groups])
             self.registrations = len(self.groups)
             return
         if self.symmetric:

@@ -16,7 +16,7 @@ from .decoupled import clear_grads
 from .engine import FSDPEngine
 from .graph_mode import USER_CLASS_ATTR, check_optimizer_capturable
 from .local_step import LocalShardStep, eligible_class
-from .offload_optim import check_offload_optimizer, offload_policy_of, offloaded_step, prepare_host_step
+from .offload.optim import check_offload_optimizer, offload_policy_of, offloaded_step, prepare_host_step
 from .placement import local_tensor
 
 # Attribute on each sharded param: a weakref to its model's engine, so an optimizer built on

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .fp8_te import high_precision_value, is_te_quantized
+from .fp8.te import high_precision_value, is_te_quantized
 from .placement import TPSpec, local_tensor
 
 

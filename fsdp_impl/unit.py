@@ -21,7 +21,7 @@ from .device import is_capturing
 from .grad_reduce import UnitGradReduce, unit_grad_reduce
 from .grad_staging import GradStaging
 from .grad_views import GradViews
-from .offload import UnitOffload, host_weight
+from .offload.host import UnitOffload, host_weight
 from .param import ManagedParam
 from .policy import ResolvedDtypes
 from .sharding import FlatLayout, shard_row_range
@@ -38,7 +38,7 @@ from .unshard_storage import (
 )
 
 if TYPE_CHECKING:
-    from .fp8_params import UnitFp8
+    from .fp8.params import UnitFp8
 
 
 class TrainingState(enum.Enum):
@@ -108,7 +108,7 @@ class FSDPUnit:
         # (hooks.py): present exactly while swapped out, so a forward runs them hook-free
         self.guards: list[_Guard] = []
         self._solo_gather = comm.solo(ctx.gather_group or ctx.group)  # one rank: no gather (_start_gather)
-        self.fp8: UnitFp8 | None = None  # FP8 params: gathered as FP8 bytes (fp8_params.py)
+        self.fp8: UnitFp8 | None = None  # FP8 params: gathered as FP8 bytes (fp8/params.py)
         self.offload = (UnitOffload(config.offload_policy, ctx.device, self.weight, self.grad, self.dtypes.compute,
                                     self.version_signature) if config.offload_policy is not None else None)
 

@@ -20,7 +20,7 @@ from .unshard_storage import UnshardStorage
 
 if TYPE_CHECKING:
     from .config import FSDPConfig
-    from .fp8_params import UnitFp8
+    from .fp8.params import UnitFp8
     from .nccl_ub import UserBuffers
     from .unit import FSDPUnit
 
@@ -46,7 +46,7 @@ class UnitContext:
     # ``None``: ``group``).
     grad_scaling: GradScaling = GradScaling()
     gather_group: dist.ProcessGroup | None = None
-    # FP8 params: builds a unit's FP8 side once it has sharded (fp8_params.unit_fp8); None: no FP8
+    # FP8 params: builds a unit's FP8 side once it has sharded (fp8.params.unit_fp8); None: no FP8
     fp8_setup: Callable[[FSDPUnit], UnitFp8 | None] | None = None
     # nccl_ub: the NCCL memory pool every communication buffer comes from (nccl_ub.py).
     user_buffers: UserBuffers | None = None

@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import FSDPConfig
-from .fp8_params import check_fp8_params
+from .fp8.params import check_fp8_params
 from .mesh import submesh
 from .module import FullyShardedModule
 from .optimizer_binding import ENGINE_REF_ATTR

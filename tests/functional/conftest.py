@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_impl.fp8_te import reset_te_fp8_state
+from fsdp_impl.fp8.te import reset_te_fp8_state
 
 L0_MARKER = "l0"
 L0_CELLS = (
@@ -121,5 +121,5 @@ def _fresh_transformer_engine_fp8_state() -> None:
     """Start every test from TransformerEngine's initial FP8 state. A rank process runs many
     tests; without this, after a delayed-scaling test each later step of any recipe issued two
     extra all-reduces (the "3 all-reduces per step" the 2-GPU run of ``test_fp8_te.py`` saw for
-    current scaling after the delayed cases). ``fsdp_impl.fp8_te.reset_te_fp8_state`` says why."""
+    current scaling after the delayed cases). ``fsdp_impl.fp8.te.reset_te_fp8_state`` says why."""
     reset_te_fp8_state()

@@ -1,5 +1,5 @@
 """The current- and delayed-scaling requantisations of TE FP8 weights
-(``fsdp_impl.fp8_te._quantize_current`` / ``_quantize_delayed``) write the same bytes, scale
+(``fsdp_impl.fp8.te._quantize_current`` / ``_quantize_delayed``) write the same bytes, scale
 inverses (and, delayed, amaxes) as TransformerEngine's own ``quantize_master_weights`` (whose cast
 they replace for speed), for weights of several shapes and value ranges."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_impl.fp8_te import _quantize_current, _quantize_delayed
+from fsdp_impl.fp8.te import _quantize_current, _quantize_delayed
 from tests.functional import matrix_axes as axes
 
 pytestmark = [pytest.mark.requires_cuda, pytest.mark.requires_module("transformer_engine"),

@@ -1,7 +1,7 @@
 """Per-step host work of the TransformerEngine FP8-parameter path, on CPU with a stand-in for TE.
 
 The stand-in (``common/te_standin.py``'s ``Float8Tensor`` and linear module) gets what the
-current-scaling requantisation (``fsdp_impl.fp8_te.CurrentScalingCast``) calls in TE 2.20.2: a
+current-scaling requantisation (``fsdp_impl.fp8.te.CurrentScalingCast``) calls in TE 2.20.2: a
 ``Float8CurrentScalingQuantizer`` on each weight, ``transformer_engine_torch`` (``DType``,
 ``multi_tensor_compute_scale_and_scale_inv``, ``quantize``), ``multi_tensor_applier``'s chunk size
 and ``Float8Quantizer`` (``create_tensor_from_data``), each counting its calls. They do the
@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from fsdp_impl import MixedPrecisionPolicy, fully_shard
 from fsdp_impl.fp8 import E4M3, CurrentQuantizer
-from fsdp_impl.fp8_params import ModelFp8, UnitFp8
-from fsdp_impl.fp8_te import CurrentScalingCast
+from fsdp_impl.fp8.params import ModelFp8, UnitFp8
+from fsdp_impl.fp8.te import CurrentScalingCast
 from tests.functional import matrix_axes as axes
 from tests.functional.common import fp8_training as ft
 from tests.functional.common import te_standin as standin

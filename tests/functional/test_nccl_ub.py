@@ -1,5 +1,5 @@
 """NCCL user buffers (``nccl_ub=True``, ``fsdp_impl/nccl_ub.py``): the bookkeeping on gloo with
-the registrations recorded (``record_registrations``), and on one GPU with NCCL.
+the registrations recorded (``fsdp_impl._testing.NCCL_UB_RECORDED``), and on one GPU with NCCL.
 
 Checked: the pool is registered exactly once, after the first sync backward, with every group the
 model communicates on, in the same order on every rank (gathered and compared); training is
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_impl
-from fsdp_impl.nccl_ub import record_registrations
+from fsdp_impl._testing import NCCL_UB_RECORDED
 from fsdp_impl.unshard_storage import UnshardStorageKind
 from harness import matrix
 from tests.functional import matrix_axes as axes
@@ -53,7 +53,7 @@ def _wrap(strategy: int, ub: bool, **kwargs: Any) -> tuple[Any, torch.optim.Opti
 def _check(strategy: int, env: Any, **kwargs: Any) -> list[tuple[int, ...]]:
     """Train with and without user buffers; return this rank's registration order."""
     want = _train(*_wrap(strategy, False, **kwargs), env)
-    with record_registrations() as recorded:
+    with NCCL_UB_RECORDED.on() as recorded:
         model, opt = _wrap(strategy, True, **kwargs)
         assert recorded == [], "registered before any step"
         grads = [u.grad.data for u in model._fsdp_engine.units if u.grad is not None]
@@ -98,7 +98,7 @@ def test_nccl_ub_hsdp_registers_every_group_in_one_order(outer: str, dist_env: A
 def test_ranks_disagreeing_on_nccl_ub_fail_together_at_wrap(dist_env: Any) -> None:
     """A rank that registers while another does not would hang both; the wrap-time agreement
     turns that into the same error on every rank."""
-    with record_registrations(), pytest.raises(ValueError, match=r"different arguments or models on different ranks"):
+    with NCCL_UB_RECORDED.on(), pytest.raises(ValueError, match=r"different arguments or models on different ranks"):
         _wrap(3, dist_env.rank == 0)
 
 

@@ -7,7 +7,7 @@ on the same batches, and compares the numbers:
 * ``step="gpu"`` runs the optimizer's own update (``torch.optim.adam.adam`` with the group's
   flags, or ``fsdp_impl.optim``'s path) on the chunks of the streamed window, so losses, params
   and optimizer state are **bit-identical** to no offload. On a CPU mesh the "device window" is
-  host memory (``fsdp_impl.offload.stream_on_cpu_for_tests``) but the chunking (several chunks
+  host memory (``fsdp_impl._testing.STREAMED_STEP_ON_CPU``) but the chunking (several chunks
   per step, parameters split across chunks), the copies and the kernels are the GPU's.
 * ``step="cpu"`` runs torch's fused CPU Adam where the non-offloaded CPU run uses the
   single-tensor loop: within ``CPU_STEP_RTOL`` (``common/offload.py`` says what was measured).
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import fsdp_impl
 from fsdp_impl import checkpoint
-from fsdp_impl.graph_mode import run_graph_mode_on_cpu
+from fsdp_impl._testing import GRAPH_MODE_ON_CPU
 from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common.checkpointing import (
@@ -329,7 +329,7 @@ def test_offload_errors_name_the_field(dist_env) -> None:
         wrap(torch.optim.SGD, offload_policy=policy("gpu", device))
     with pytest.raises(TypeError, match="offload_policy must be a fsdp_impl.OffloadPolicy or None"):
         wrap(offload_policy={"step": "cpu"})
-    with run_graph_mode_on_cpu(), pytest.raises(ValueError, match="offload_policy cannot be combined with cuda_graph"):
+    with GRAPH_MODE_ON_CPU.on(), pytest.raises(ValueError, match="offload_policy cannot be combined with cuda_graph"):
         module = build_model("cnn", seed=0)
         fsdp_impl.fully_shard(module, torch.optim.Adam(module.parameters(), lr=1e-2, capturable=True),
                               fsdp_unit_modules=list(unit_classes("cnn")), cuda_graph_mode=True,
@@ -364,7 +364,7 @@ def test_window_that_cannot_fit_is_refused_at_wrap_time(dist_env, monkeypatch) -
     the same error (the other rank must not wait in the wrap's next collective), naming
     OffloadPolicy.chunk_bytes, the bytes needed on that rank and its free bytes; the module is
     left as it was. Here rank 1 reports 1000 free bytes."""
-    import fsdp_impl.offload as offload
+    import fsdp_impl.offload.host as offload
     device, rank = dist_env.device, dist.get_rank()
     free = 1000
     real = offload.free_memory

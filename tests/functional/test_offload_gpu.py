@@ -37,7 +37,7 @@ import fsdp_impl
 from fsdp_impl import checkpoint
 from fsdp_impl import device as fsdp_device
 from fsdp_impl.device import PIN_IN_PLACE_MIN_BYTES, pinned_zeros
-from fsdp_impl.offload_step import WINDOW_SLOTS
+from fsdp_impl.offload.step import WINDOW_SLOTS
 from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common.checkpointing import K_SAVE, N_STEPS, Case, probe_forward, train_step

@@ -261,7 +261,7 @@ def fp8_amax_not_reduced() -> None:
         local = types.SimpleNamespace(**{n: getattr(original, n) for n in dir(original) if not n.startswith("__")})
         local.all_reduce_max = lambda tensor, group: None
         return local
-    replace("fsdp_impl.fp8_params:comm", make)
+    replace("fsdp_impl.fp8.params:comm", make)
 
 
 def optimizer_step_not_noted() -> None:
@@ -315,7 +315,7 @@ def fp8_stale_transpose_kept() -> None:
             for p in params:
                 p.attach()
         return dict(original, te=fill)
-    replace("fsdp_impl.fp8_params:FILL", make)
+    replace("fsdp_impl.fp8.params:FILL", make)
 
 
 def nccl_ub_registration_order_per_rank() -> None:
@@ -375,7 +375,7 @@ def offload_step_skips_a_d2h() -> None:
                 return
             original(self, chunk, entries, window, base, to_host)
         return copy
-    replace("fsdp_impl.offload_step:StreamedStep._copy", make)
+    replace("fsdp_impl.offload.step:StreamedStep._copy", make)
 
 
 # ------------------------------------------------------------------------------------- harness

@@ -27,7 +27,7 @@ weight-decay gradient into ``.grad`` before each backward (the reduction must ad
 overwrite it); ``zero1_fused_adamw`` steps with torch's fused AdamW and weight decay (a fused
 kernel bumps no version counter: the engine must still learn that the weights changed);
 ``zero3_offload`` keeps optimizer state and main params in host memory and streams the step in
-small chunks (``OffloadPolicy(step="gpu")``, on a CPU mesh through ``stream_on_cpu_for_tests``:
+small chunks (``OffloadPolicy(step="gpu")``, on a CPU mesh through ``fsdp_impl._testing.STREAMED_STEP_ON_CPU``:
 every chunk's update must reach the host).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_impl
-from fsdp_impl.offload import stream_on_cpu_for_tests
+from fsdp_impl._testing import STREAMED_STEP_ON_CPU
 from fsdp_impl.placement import local_tensor
 
 from . import fp8_training
@@ -310,5 +310,5 @@ def train_steps(run: CellRun, steps: range) -> dict[str, list[float]]:
 def run_cell(cell: Cell, device: torch.device, lr_scale: float = 1.0) -> dict[str, list[float]]:
     """Train ``cell`` for ``STEPS`` steps from its seed; the golden series."""
     streamed_on_cpu = cell.offload == "gpu" and device.type == "cpu"
-    with one_thread(), stream_on_cpu_for_tests() if streamed_on_cpu else contextlib.nullcontext():
+    with one_thread(), STREAMED_STEP_ON_CPU.on() if streamed_on_cpu else contextlib.nullcontext():
         return train_steps(start_cell(cell, device, lr_scale), range(STEPS))

@@ -2,7 +2,7 @@
 
 ``OFFLOAD_CASES`` names the ``OffloadPolicy`` settings the suites run; ``policy(case, device)``
 builds one for the device (pinned host memory only on CUDA). On a CPU mesh ``step="gpu"`` runs
-inside ``fsdp_impl.offload.stream_on_cpu_for_tests()`` (``window(device)``): its "device window"
+inside ``fsdp_impl._testing.STREAMED_STEP_ON_CPU.on()`` (``window(device)``): its "device window"
 is then host memory, but the chunking, copies and kernels are the ones a GPU runs.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fsdp_impl
-from fsdp_impl.offload import stream_on_cpu_for_tests
+from fsdp_impl._testing import STREAMED_STEP_ON_CPU
 
 from .checkpointing import Case
 from .mesh import seed_kwargs, seed_mesh
@@ -51,7 +51,7 @@ def policy(case: str, device: torch.device) -> fsdp_impl.OffloadPolicy:
 @contextlib.contextmanager
 def window(device: torch.device) -> Iterator[None]:
     """Where ``step="gpu"`` may run: on a CPU mesh only inside the test hook."""
-    with stream_on_cpu_for_tests() if device.type == "cpu" else contextlib.nullcontext():
+    with STREAMED_STEP_ON_CPU.on() if device.type == "cpu" else contextlib.nullcontext():
         yield
 
 

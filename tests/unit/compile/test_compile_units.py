@@ -19,9 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp_impl
+from fsdp_impl._testing import GRAPH_MODE_ON_CPU
 from fsdp_impl.compile_units import CompileStats
 from fsdp_impl.cuda_graph import capture_train_step
-from fsdp_impl.graph_mode import run_graph_mode_on_cpu
 from fsdp_impl.module import FullyShardedModule
 from tests.functional.common import fp8_training as fp8
 from tests.functional.common import recompute as rc
@@ -62,7 +62,7 @@ def assert_compiled(stats: CompileStats, units: int, breaks: int = 0, exact: boo
 def run_pair(case: GraphCase, graph_mode: bool = False, compile_units: dict | bool = True, **kwargs):
     """The same case eager and compiled: (eager losses, compiled losses, eager model, compiled model)."""
     torch._dynamo.reset()
-    ctx = run_graph_mode_on_cpu() if graph_mode else None
+    ctx = GRAPH_MODE_ON_CPU.on() if graph_mode else None
     if ctx is not None:
         ctx.__enter__()
     try:

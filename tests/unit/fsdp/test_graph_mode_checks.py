@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import fsdp_impl
-from fsdp_impl.graph_mode import check_cuda_graph_mode, check_optimizer_capturable, run_graph_mode_on_cpu
+from fsdp_impl._testing import GRAPH_MODE_ON_CPU
+from fsdp_impl.graph_mode import check_cuda_graph_mode, check_optimizer_capturable
 from fsdp_impl.optimizer_binding import attach_engines, bound_engines
 from fsdp_impl.unshard_storage import UnshardStorage, UnshardStorageKind
 
@@ -17,7 +18,7 @@ from fsdp_impl.unshard_storage import UnshardStorage, UnshardStorageKind
 def test_device_nan_report_and_storage() -> None:
     with pytest.raises(ValueError, match=r"needs a CUDA device mesh \(NCCL process group\), but the mesh is on 'cpu'"):
         check_cuda_graph_mode("cpu", False, UnshardStorage())
-    with run_graph_mode_on_cpu():
+    with GRAPH_MODE_ON_CPU.on():
         assert check_cuda_graph_mode("cpu", False, UnshardStorage()).kind == UnshardStorageKind.PERSISTENT
     with pytest.raises(ValueError, match="cpu"):  # the test switch does not leak
         check_cuda_graph_mode("cpu", False, UnshardStorage())

@@ -8,7 +8,7 @@ differently in graph mode runs, so its numbers and invariants are checked on eve
 - ZeRO-1/2 refresh every unit on every forward without the MAX all-reduce agreement;
 - ``zero_grad(set_to_none=True)`` is refused, the wrap-time errors name the argument.
 
-``run_graph_mode_on_cpu`` is the test-only switch that lets ``cuda_graph_mode=True`` wrap a CPU
+``fsdp_impl._testing.GRAPH_MODE_ON_CPU`` is the test-only switch that lets ``cuda_graph_mode=True`` wrap a CPU
 model; outside it, graph mode on CPU is an error (checked below).
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_impl
 from fsdp_impl import comm
+from fsdp_impl._testing import GRAPH_MODE_ON_CPU
 from fsdp_impl.cuda_graph import capture_train_step
-from fsdp_impl.graph_mode import run_graph_mode_on_cpu
 from fsdp_impl.module import FullyShardedModule
 from fsdp_impl.placement import local_tensor
 from fsdp_impl.unit import attach_unshard_pool
@@ -55,7 +55,7 @@ def use_pool(model: FullyShardedModule, slots: int = 2) -> None:
 
 
 def graph_wrap(case: GraphCase, pool: bool = False, **kwargs):
-    with run_graph_mode_on_cpu():
+    with GRAPH_MODE_ON_CPU.on():
         model, opt = wrap(case, CPU, graph_mode=True, **kwargs)
     if pool:
         use_pool(model)
@@ -241,7 +241,7 @@ def test_graph_mode_on_cpu_is_an_error(dist_env) -> None:
 
 
 def test_report_nan_is_refused(dist_env) -> None:
-    with run_graph_mode_on_cpu(), pytest.raises(ValueError, match="report_nan_in_param_grad=True"):
+    with GRAPH_MODE_ON_CPU.on(), pytest.raises(ValueError, match="report_nan_in_param_grad=True"):
         wrap(GraphCase(2), CPU, graph_mode=True, report_nan_in_param_grad=True)
 
 
@@ -252,14 +252,14 @@ def test_report_nan_is_refused(dist_env) -> None:
 ])
 def test_non_capturable_optimizer_is_refused(make, match: str, dist_env) -> None:
     module = GraphNet()
-    with run_graph_mode_on_cpu(), pytest.raises(ValueError, match="cuda_graph_mode=True needs an optimizer .*" + match):
+    with GRAPH_MODE_ON_CPU.on(), pytest.raises(ValueError, match="cuda_graph_mode=True needs an optimizer .*" + match):
         fsdp_impl.fully_shard(module, make(module.parameters()), fsdp_unit_modules=[Block], cuda_graph_mode=True)
     assert not _is_wrapped(module), "fully_shard must refuse the optimizer before wrapping"
-    with run_graph_mode_on_cpu():  # the same check when the optimizer is bound after wrapping
+    with GRAPH_MODE_ON_CPU.on():  # the same check when the optimizer is bound after wrapping
         model = fsdp_impl.fully_shard_model(GraphNet(), cuda_graph_mode=True)
     with pytest.raises(ValueError, match=match):
         fsdp_impl.fully_shard_optimizer(make(model.parameters()))
-    with run_graph_mode_on_cpu():  # SGD is fine (capturable Adam: every other test here)
+    with GRAPH_MODE_ON_CPU.on():  # SGD is fine (capturable Adam: every other test here)
         other = GraphNet()
         fsdp_impl.fully_shard(other, torch.optim.SGD(other.parameters(), lr=0.1), cuda_graph_mode=True)
 

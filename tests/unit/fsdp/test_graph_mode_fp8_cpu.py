@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fsdp_impl
-from fsdp_impl.fp8_params import ModelFp8
-from fsdp_impl.graph_mode import run_graph_mode_on_cpu
+from fsdp_impl._testing import GRAPH_MODE_ON_CPU
+from fsdp_impl.fp8.params import ModelFp8
 from tests.functional.common import fp8_training as ft
 
 pytestmark = pytest.mark.distributed(world_size=2, timeout=300)
@@ -30,7 +30,7 @@ def _wrap(recipe: str, strategy: int, keep: bool, graph_mode: bool):
     module = ft.build(recipe)
     opt = fsdp_impl.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.01, capturable=True)
     policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32)
-    with run_graph_mode_on_cpu():
+    with GRAPH_MODE_ON_CPU.on():
         return fsdp_impl.fully_shard(module, opt, fsdp_unit_modules=[ft.Fp8Block], zero_dp_strategy=strategy,
                                      mixed_precision_policy=policy, keep_fp8_transpose_cache=keep,
                                      cuda_graph_mode=graph_mode)

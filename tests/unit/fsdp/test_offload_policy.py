@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from torch.optim.adam import adam
 
 import fsdp_impl
-from fsdp_impl.offload import MIN_CHUNK_BYTES, OffloadPolicy, check_offload, stream_on_cpu_for_tests
-from fsdp_impl.offload_optim import check_offload_optimizer
-from fsdp_impl.offload_step import ALIGN, StepStreams, StreamedStep, StreamEntry, _coalesce, plan_chunks
+from fsdp_impl._testing import STREAMED_STEP_ON_CPU
+from fsdp_impl.offload.host import MIN_CHUNK_BYTES, OffloadPolicy, check_offload
+from fsdp_impl.offload.optim import check_offload_optimizer
+from fsdp_impl.offload.step import ALIGN, StepStreams, StreamedStep, StreamEntry, _coalesce, plan_chunks
 
 CPU = torch.device("cpu")
 
@@ -87,7 +88,7 @@ def test_wrap_time_errors_name_the_field() -> None:
         check_offload(OffloadPolicy(step="cpu", pin_memory=False), CPU, True, module)
     check_offload(OffloadPolicy(step="cpu", pin_memory=False), CPU, False, module)
     check_offload(None, CPU, True, module)
-    with stream_on_cpu_for_tests():
+    with STREAMED_STEP_ON_CPU.on():
         check_offload(OffloadPolicy(pin_memory=False), CPU, False, module)
 
 
@@ -303,7 +304,7 @@ def test_window_that_cannot_fit_is_refused_before_it_is_allocated(monkeypatch: p
     """The exact window is checked against the device's free memory once, before the first
     allocation: the error names OffloadPolicy.chunk_bytes, the bytes needed and the bytes free,
     and nothing was copied or stepped."""
-    import fsdp_impl.offload_step as offload_step
+    import fsdp_impl.offload.step as offload_step
     entries, flats = _entries(NUMELS)
     before = {k: f.clone() for k, f in flats.items()}
     needed = 3 * 512 * 16  # CHUNK_BYTES = 512 elements x 16 bytes, 7 chunks: all 3 slots

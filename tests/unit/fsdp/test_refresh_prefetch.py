@@ -9,8 +9,8 @@ import contextlib
 import pytest
 import torch
 
+from fsdp_impl._testing import GRAPH_MODE_ON_CPU
 from fsdp_impl.engine import FSDPEngine
-from fsdp_impl.graph_mode import run_graph_mode_on_cpu
 from fsdp_impl.unit import FSDPUnit
 from tests.functional.common.graph_training import GraphCase, assert_params_equal, eager_steps, full_params, wrap
 
@@ -20,7 +20,7 @@ CPU = torch.device("cpu")
 
 
 def _wrap(case: GraphCase, graph_mode: bool, prefetch: bool):
-    ctx = run_graph_mode_on_cpu() if graph_mode else contextlib.nullcontext()
+    ctx = GRAPH_MODE_ON_CPU.on() if graph_mode else contextlib.nullcontext()
     with ctx:
         return wrap(case, CPU, graph_mode=graph_mode, overlap_param_gather=prefetch)
 

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import comm
+from .. import comm
 
 if TYPE_CHECKING:  # param.py imports this module
-    from .param import ManagedParam
+    from ..param import ManagedParam
 
 # class name -> (byte-plane attributes, index of the plane that is the backward's transposed
 # form, or None when the transpose is derived from the row-wise bytes after a gather)
@@ -82,7 +82,7 @@ def free_storage(t: torch.Tensor) -> None:
 
 
 class TeFp8Param:
-    """A TE quantized weight as one FP8 parameter of a unit (``fsdp_impl.fp8_params.Fp8Param``)."""
+    """A TE quantized weight as one FP8 parameter of a unit (``fsdp_impl.fp8.params.Fp8Param``)."""
 
     kind = "te"
 

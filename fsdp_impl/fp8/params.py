@@ -36,14 +36,16 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from . import comm
-from .buffers import DataParallelBuffer
-from .fp8.linear import Float8Linear
-from .fp8.quantizer import DelayedQuantizer
-from .fp8.sharded import ShardedQuantization, ShardedWeight
-from .fp8.state import advance_all, delayed_quantizers, pack_pending, set_deferred
-from .fp8.tensor import Fp8Tensor
-from .fp8_te import (
+from .. import comm
+from ..buffers import DataParallelBuffer
+from ..param import ManagedParam
+from ..policy import MixedPrecisionPolicy, ShardingStrategy
+from ..sharding import FlatLayout, shard_row_range
+from .linear import Float8Linear
+from .quantizer import DelayedQuantizer
+from .sharded import ShardedQuantization, ShardedWeight
+from .state import advance_all, delayed_quantizers, pack_pending, set_deferred
+from .te import (
     TeFp8Param,
     TeQuantize,
     fill_te,
@@ -51,9 +53,7 @@ from .fp8_te import (
     is_te_quantized,
     module_has_te_fp8_params,
 )
-from .param import ManagedParam
-from .policy import MixedPrecisionPolicy, ShardingStrategy
-from .sharding import FlatLayout, shard_row_range
+from .tensor import Fp8Tensor
 
 _ALIGN = 16  # byte alignment of the two parts of a gather segment
 # Byte planes that alias the FP8 segment (one shard) must start this many bytes apart from its

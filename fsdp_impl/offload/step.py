@@ -27,17 +27,23 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch.profiler import record_function
 
-from .device import CommStream, free_memory, wait_on_host
+from ..device import CommStream, free_memory, wait_on_host
 
 ALIGN = 128  # elements: a piece of a parameter starts at a multiple of this from the param's start
 WINDOW_SLOTS = 3  # chunks resident in the device window: H2D, math and D2H overlap
-PARAM, GRAD = "param", "grad"
-WRITE_BACK = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # kinds the step updates
+# The kinds of flat tensor a step entry holds, each streamed through the window or used in place
+ChunkKind = Literal["param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+PARAM: ChunkKind = "param"
+GRAD: ChunkKind = "grad"
+STATE_KINDS: tuple[ChunkKind, ...] = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # Adam's state, in this order
+WRITE_BACK: tuple[ChunkKind, ...] = (PARAM, *STATE_KINDS)  # kinds the step updates
+# What the pipeline does to a chunk, in order (the ops a recorded ``StreamLog`` holds)
+ChunkOp = Literal["h2d", "step", "d2h"]
 
 
 def window_capacity(chunk_bytes: int, per_elem: int, total_numel: int) -> int:
@@ -112,7 +118,7 @@ class StreamEntry:
     of the device compute shard, or None)."""
 
     group: int
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[ChunkKind, torch.Tensor]
     compute: torch.Tensor | None = None
     extra: Any = None  # what the kernel needs besides the tensors (e.g. the step counter)
 
@@ -121,8 +127,11 @@ class StreamEntry:
         return self.tensors[PARAM].numel()
 
 
+# The device window: one tensor of ``slots`` chunks per streamed (kind, dtype)
+Window = dict[tuple[ChunkKind, torch.dtype], torch.Tensor]
+
 # A kernel updates the pieces of one param group in one chunk: (group index, [(entry, views)]).
-Kernel = Callable[[int, list[tuple[StreamEntry, dict[str, torch.Tensor]]]], None]
+Kernel = Callable[[int, list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]]], None]
 
 
 class Stream(Protocol):
@@ -146,7 +155,7 @@ class StreamLog:
     def stream(self, name: str) -> RecordingStream:
         return RecordingStream(name, self)
 
-    def op(self, what: str, chunk: int) -> None:
+    def op(self, what: ChunkOp, chunk: int) -> None:
         self.events.append(("op", what, chunk, self._current[-1]))
 
 
@@ -194,7 +203,7 @@ class StepStreams:
         log = StreamLog()
         return cls(log.stream("h2d"), log.stream("d2h"), log)
 
-    def op(self, what: str, chunk: int) -> None:
+    def op(self, what: ChunkOp, chunk: int) -> None:
         if self.log is not None:
             self.log.op(what, chunk)
 
@@ -239,7 +248,7 @@ class StreamedStep:
     holds ``min(slots, chunks)`` chunks of at most what the step streams (``window_capacity``),
     and one that cannot fit the free memory of ``device`` is refused before it is allocated."""
 
-    def __init__(self, device: torch.device, streamed: set[str], chunk_bytes: int, non_blocking: bool,
+    def __init__(self, device: torch.device, streamed: set[ChunkKind], chunk_bytes: int, non_blocking: bool,
                  streams: StepStreams, slots: int = WINDOW_SLOTS) -> None:
         self.device = device
         self.streamed = streamed
@@ -286,8 +295,7 @@ class StreamedStep:
                 self.streams.d2h.wait(last)  # the compute stream: the window is free, host copies done
                 self.streams.host_wait(last)  # host code may read the params/state right after step()
 
-    def _window(self, entries: list[StreamEntry], capacity: int, slots: int
-                ) -> dict[tuple[str, torch.dtype], torch.Tensor]:
+    def _window(self, entries: list[StreamEntry], capacity: int, slots: int) -> Window:
         """One device tensor of ``slots`` chunks per streamed (kind, dtype), on the compute stream
         (freed when the step returns: the compute stream has waited for every use by then).
         Chunk ``i`` uses slot ``i % self.slots``, so fewer chunks than slots need only as many."""
@@ -302,7 +310,7 @@ class StreamedStep:
         return {key: torch.empty(slots * capacity, dtype=key[1], device=self.device) for key in keys}
 
     def _load(self, i: int, chunks: list[list[Piece]], entries: list[StreamEntry],
-              window: dict[tuple[str, torch.dtype], torch.Tensor], capacity: int, d2h_done: dict[int, Any]) -> Any:
+              window: Window, capacity: int, d2h_done: dict[int, Any]) -> Any:
         with self.streams.h2d.use():
             if i - self.slots in d2h_done:  # the slot's previous chunk must be back on the host
                 self.streams.h2d.wait(d2h_done.pop(i - self.slots))
@@ -310,8 +318,7 @@ class StreamedStep:
             self._copy(chunks[i], entries, window, (i % self.slots) * capacity, to_host=False)
             return self.streams.h2d.record()
 
-    def _copy(self, chunk: list[Piece], entries: list[StreamEntry], window: dict[tuple[str, torch.dtype], torch.Tensor],
-              base: int, to_host: bool) -> None:
+    def _copy(self, chunk: list[Piece], entries: list[StreamEntry], window: Window, base: int, to_host: bool) -> None:
         """Copy the chunk's streamed kinds host -> slot (all of them) or slot -> host (the
         updated ones), one copy per coalesced run."""
         kinds = sorted({k for p in chunk for k in entries[p.entry].tensors if k in self.streamed})
@@ -327,11 +334,11 @@ class StreamedStep:
                 else:
                     slot.copy_(run.src, non_blocking=self.non_blocking)
 
-    def _compute(self, chunk: list[Piece], entries: list[StreamEntry],
-                 window: dict[tuple[str, torch.dtype], torch.Tensor], base: int, kernel: Kernel) -> None:
+    def _compute(self, chunk: list[Piece], entries: list[StreamEntry], window: Window, base: int,
+                 kernel: Kernel) -> None:
         """The kernel on the chunk's views, one call per param group (in group order), then the
         new weights cast into the device compute shards."""
-        by_group: dict[int, list[tuple[Piece, dict[str, torch.Tensor]]]] = {}
+        by_group: dict[int, list[tuple[Piece, dict[ChunkKind, torch.Tensor]]]] = {}
         for p in chunk:
             views = {}
             for kind, tensor in entries[p.entry].tensors.items():

@@ -7,7 +7,7 @@ the host step, and the streamed step's Adam kernels and state buffers.
   both ``fused`` and ``foreach`` at None run torch's fused CPU kernel (``prepare_host_step``).
 * ``step="gpu"``: ``OffloadedAdamStep`` replaces the optimizer's ``step``: it creates the state
   as the optimizer would (its own lazy init), moves it into one flat buffer per unit and state
-  key (host memory, pinned), and runs ``offload_step.StreamedStep`` with a kernel that calls the
+  key (host memory, pinned), and runs ``step.StreamedStep`` with a kernel that calls the
   optimizer's own update function (``torch.optim.adam.adam`` with the group's flags, or
   ``fsdp_impl.optim``'s path choice) on each chunk's views. The math, flags and kernel choice
   are those of the non-offloaded step, so the result is bit-identical to it. Each parameter's
@@ -25,23 +25,22 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype  # Adam's step-counter dtype (torch's own rule)
 
-from .decoupled import read_grad
-from .device import host_device, pinned_zeros, synchronize
-from .graph_mode import USER_CLASS_ATTR
-from .offload import OffloadPolicy
-from .offload_step import GRAD, PARAM, StepStreams, StreamedStep, StreamEntry
-from .optim import Adam as FsdpAdam
-from .optim import AdamW as FsdpAdamW
-from .optim._adam_math import AdamTensors
-from .optim.adam import step_group
-from .placement import local_tensor
+from ..decoupled import read_grad
+from ..device import host_device, pinned_zeros, synchronize
+from ..graph_mode import USER_CLASS_ATTR
+from ..optim import Adam as FsdpAdam
+from ..optim import AdamW as FsdpAdamW
+from ..optim._adam_math import AdamTensors
+from ..optim.adam import step_group
+from ..placement import local_tensor
+from .host import OffloadPolicy
+from .step import GRAD, PARAM, STATE_KINDS, ChunkKind, StepStreams, StreamedStep, StreamEntry
 
 if TYPE_CHECKING:
-    from .engine import FSDPEngine
-    from .param import ManagedParam
-    from .unit import FSDPUnit
+    from ..engine import FSDPEngine
+    from ..param import ManagedParam
+    from ..unit import FSDPUnit
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _RUNNER_ATTR = "_fsdp_offload_step"
 
 
@@ -160,9 +159,9 @@ class OffloadedAdamStep:
             for unit in engine.units:
                 for mp in unit.trainable:
                     self.owner[id(mp.sharded)] = (unit, mp)
-        self.arenas: dict[tuple[int, str, torch.dtype], torch.Tensor] = {}
+        self.arenas: dict[tuple[int, ChunkKind, torch.dtype], torch.Tensor] = {}
         self.offsets: dict[int, list[int]] = {}  # per unit: each trainable param's offset in its arenas
-        streamed = set(STATE_KEYS) if policy.optimizer_state else set()
+        streamed = set(STATE_KINDS) if policy.optimizer_state else set()
         streamed |= {PARAM} if policy.main_params else set()
         streamed |= {GRAD} if policy.grads_on_host else set()
         self.engines = engines
@@ -209,7 +208,7 @@ class OffloadedAdamStep:
                 if len(state) == 0:
                     self._init_state(group, p, unit, mp)
                 tensors = {PARAM: local_tensor(p).view(-1), GRAD: local_tensor(grad).reshape(-1)}
-                for key in STATE_KEYS:
+                for key in STATE_KINDS:
                     if key in state:
                         tensors[key] = self._adopt(unit, mp, state, key)
                 compute = unit.offload.compute_view(unit.params.index(mp)) if unit.offload else None
@@ -233,13 +232,13 @@ class OffloadedAdamStep:
         else:
             state["step"] = (torch.zeros((), dtype=torch.float32, device=param_device) if fused or capturable
                              else torch.tensor(0.0, dtype=torch.float32))
-        for key in STATE_KEYS if group["amsgrad"] else STATE_KEYS[:2]:
+        for key in STATE_KINDS if group["amsgrad"] else STATE_KINDS[:2]:
             dtype = self.optimizer._moment_dtype(key, p) if _is_fsdp_adam(self.cls) else p.dtype  # type: ignore[attr-defined]
             view = self._arena(unit, key, dtype)[self._span(unit, mp)]
             view.zero_()
             state[key] = unit.ctx.plan.wrap(view.view(local_tensor(p).shape), mp.tp, mp.shape)
 
-    def _adopt(self, unit: FSDPUnit, mp: ManagedParam, state: dict[str, Any], key: str) -> torch.Tensor:
+    def _adopt(self, unit: FSDPUnit, mp: ManagedParam, state: dict[str, Any], key: ChunkKind) -> torch.Tensor:
         """Param ``mp``'s ``state[key]`` as a view of the unit's flat buffer for ``key`` (host
         memory with ``optimizer_state``, else the device); a state tensor the optimizer (or a
         ``load_state_dict``) made elsewhere is copied in and replaced by the view."""
@@ -271,7 +270,7 @@ class OffloadedAdamStep:
             self.offsets[id(unit)] = offsets
         return offsets
 
-    def _arena(self, unit: FSDPUnit, key: str, dtype: torch.dtype) -> torch.Tensor:
+    def _arena(self, unit: FSDPUnit, key: ChunkKind, dtype: torch.dtype) -> torch.Tensor:
         name = (id(unit), key, dtype)
         arena = self.arenas.get(name)
         if arena is None:
@@ -297,7 +296,7 @@ class OffloadedAdamStep:
             entry.extra.setdefault("staged", entry.extra["step"])
 
     # ------------------------------------------------------------------- kernels
-    def _torch_kernel(self, gi: int, items: list[tuple[StreamEntry, dict[str, torch.Tensor]]]) -> None:
+    def _torch_kernel(self, gi: int, items: list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]]) -> None:
         """``torch.optim.adam.adam`` with the group's flags, as ``torch.optim.Adam.step`` calls it."""
         group = self.optimizer.param_groups[gi]
         beta1, beta2 = group["betas"]
@@ -311,7 +310,7 @@ class OffloadedAdamStep:
            fused=group["fused"], grad_scale=getattr(self.optimizer, "grad_scale", None),
            found_inf=getattr(self.optimizer, "found_inf", None))
 
-    def _fsdp_kernel(self, gi: int, items: list[tuple[StreamEntry, dict[str, torch.Tensor]]]) -> None:
+    def _fsdp_kernel(self, gi: int, items: list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]]) -> None:
         """``fsdp_impl.optim.Adam.step``'s path choice (fused / foreach / single) on the views."""
         group = self.optimizer.param_groups[gi]
         batch = [AdamTensors(param=v[PARAM], grad=v[GRAD], exp_avg=v["exp_avg"], exp_avg_sq=v["exp_avg_sq"],

@@ -15,7 +15,7 @@ What lives where (per rank, for its shards only):
 * ``optimizer_state``: the optimizer's state tensors live in host memory.
 * ``step``: ``"cpu"`` runs the user's optimizer on the host tensors (FSDP2's ``CPUOffloadPolicy``);
   ``"gpu"`` streams the host state through a small device window in chunks and does the Adam math
-  on the device (``offload_step.py``).
+  on the device (``step.py``).
 
 Host buffers are pinned (page-locked) with ``pin_memory=True``, so copies run asynchronously on
 side streams; without pinning they are synchronous copies. Pinned buffers hold exactly their bytes
@@ -23,31 +23,31 @@ side streams; without pinning they are synchronous copies. Pinned buffers hold e
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .buffers import DataParallelBuffer
-from .device import free_memory, host_device, pinned_memory_available, pinned_zeros, synchronize
-from .offload_step import WINDOW_SLOTS, window_capacity, window_too_large
-from .policy import ResolvedDtypes
-from .sharding import FlatLayout
+from .. import _testing
+from ..buffers import DataParallelBuffer
+from ..device import free_memory, host_device, pinned_memory_available, pinned_zeros, synchronize
+from ..policy import ResolvedDtypes
+from ..sharding import FlatLayout
+from .step import WINDOW_SLOTS, window_capacity, window_too_large
 
 if TYPE_CHECKING:
-    from .param import ManagedParam
-    from .unit_context import UnitContext
+    from ..param import ManagedParam
+    from ..unit_context import UnitContext
 
-STEPS = ("gpu", "cpu")
+# Where the optimizer steps (``OffloadPolicy.step``): streamed through the device, or on the host
+StepMode = Literal["gpu", "cpu"]
+STEPS: tuple[StepMode, ...] = get_args(StepMode)
 MIN_CHUNK_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 64 * 2**20
-
-_cpu_window_allowed = False  # see stream_on_cpu_for_tests
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class OffloadPolicy:
     main_params: bool = True
     grads: bool | None = None
     params: bool = False
-    step: str = "gpu"
+    step: StepMode = "gpu"
     pin_memory: bool = True
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
@@ -121,19 +121,6 @@ class OffloadPolicy:
         return self.main_params and not self.params
 
 
-@contextlib.contextmanager
-def stream_on_cpu_for_tests() -> Iterator[None]:
-    """Test-only: allow ``step="gpu"`` on a CPU mesh, where the streamed step's "device window"
-    is host memory too and its streams are no-ops, so the chunking and the copies run (and can be
-    recorded) on gloo. Outside this context ``step="gpu"`` needs a CUDA device."""
-    global _cpu_window_allowed
-    previous, _cpu_window_allowed = _cpu_window_allowed, True
-    try:
-        yield
-    finally:
-        _cpu_window_allowed = previous
-
-
 def checked_policy(policy: object) -> OffloadPolicy | None:
     """``offload_policy`` itself, refused unless it is an ``OffloadPolicy`` or None."""
     if policy is not None and not isinstance(policy, OffloadPolicy):
@@ -150,7 +137,7 @@ def check_offload(policy: object, device: torch.device, cuda_graph_mode: bool, m
         raise ValueError("offload_policy cannot be combined with cuda_graph_mode=True: the offloaded step "
                          "synchronises with the host and moves state between host and device buffers that "
                          "a captured graph cannot follow; pass offload_policy=None or cuda_graph_mode=False")
-    if policy.step == "gpu" and device.type != "cuda" and not _cpu_window_allowed:
+    if policy.step == "gpu" and device.type != "cuda" and not _testing.STREAMED_STEP_ON_CPU.active:
         raise ValueError(f"offload_policy.step='gpu' streams the optimizer state through a CUDA device, but "
                          f"the model runs on {device.type!r}; use OffloadPolicy(step='cpu'), or run on GPUs")
     if policy.pin_memory and not pinned_memory_available(device):
@@ -158,7 +145,7 @@ def check_offload(policy: object, device: torch.device, cuda_graph_mode: bool, m
                          f"but the model runs on {device.type!r}"
                          f"{'' if device.type != 'cuda' else ' and CUDA is not available'}; pass "
                          "OffloadPolicy(pin_memory=False)")
-    from .fp8_params import has_fp8_params  # FP8 is refused; imported here to keep offload light
+    from ..fp8.params import has_fp8_params  # FP8 is refused; imported here to keep offload light
     if has_fp8_params(module):
         raise NotImplementedError("offload_policy with FP8 parameters is not implemented yet: their FP8 bytes are "
                                   "quantised from device-resident main shards; pass offload_policy=None")
