@@ -213,14 +213,15 @@ MODELS = {
 
 
 def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0,
-                device: str | None = None, **kwargs) -> nn.Module:
+                device: str | None = None, init_dtype: torch.dtype = torch.float32, **kwargs) -> nn.Module:
     """Build model ``name`` with ``torch.manual_seed(seed)`` (``device="meta"`` for meta init).
-    An eager model of another dtype is initialised in fp32 and cast, so its weights do not depend
-    on torch's random path for that dtype (a torch release may change bf16 sampling)."""
+    An eager model is drawn in ``init_dtype`` (fp32 by default) and cast to ``dtype``, so its weights
+    do not depend on torch's random path for ``dtype`` (a torch release may change bf16 sampling)."""
     cls, _ = MODELS[name]
     torch.manual_seed(seed)
     if device is None:
-        return cls(dtype=dtype, **kwargs) if dtype == torch.float32 else cls(**kwargs).to(dtype)
+        model = cls(dtype=init_dtype, **kwargs)
+        return model if init_dtype == dtype else model.to(dtype)
     with torch.device(device):
         return cls(dtype=dtype, **kwargs)
 
