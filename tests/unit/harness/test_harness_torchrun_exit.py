@@ -13,7 +13,13 @@ from test_harness_torchrun import torchrun
 
 @pytest.mark.parametrize("fail", [False, True], ids=["passing", "failing"])
 def test_rank_with_a_live_group_exits_with_pytest_status(tmp_path, fail):
-    proc, cases, _ = torchrun(tmp_path, 2, "sample_torchrun_exit.py", env={"SAMPLE_EXIT_FAIL": "1" if fail else "0"})
+    # The rank logs go to a directory of this test's own: by default they sit in the sample run's
+    # pytest basetemp (/tmp/pytest-of-<user>/pytest-<N>), which pytest deletes once three newer
+    # sessions have started; with other pytest runs beside this one it was gone before the read below.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    proc, cases, _ = torchrun(tmp_path, 2, "sample_torchrun_exit.py",
+                              env={"SAMPLE_EXIT_FAIL": "1" if fail else "0", "HARNESS_SHARED_DIR": str(shared)})
     out = proc.stdout + proc.stderr
     assert "terminate called" not in out and "SIGABRT" not in out and "exitcode  : -6" not in out, out[-3000:]
     assert proc.returncode == (1 if fail else 0), out[-3000:]
