@@ -9,10 +9,12 @@ collective: all ranks must call it in the same order.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from . import _files
 from ._errors import CheckpointError
 
 
@@ -64,3 +66,20 @@ def raise_if_any_failed(error: BaseException | None, what: str, exc_type: type[E
         raise error  # already precise and self-explanatory
     detail = "; ".join(f"rank {r}: {m}" for r, m in failed)
     raise exc_type(f"{what} failed on {len(failed)} rank(s): {detail}") from error
+
+
+def gathered_digests(names: list[str], root: Path, error_type: type[CheckpointError]) -> dict[str, Any]:
+    """Every rank hashes its share of the files ``names`` under ``root``; all ranks get every digest
+    (a failure on any rank raises ``error_type`` on all)."""
+    digests: dict[str, Any] = {}
+    error = None
+    try:
+        for name in _files.my_share(names, rank(), world_size()):
+            digests[name] = _files.file_digest(root / name)
+    except OSError as e:
+        error = e
+    raise_if_any_failed(error, "hashing checkpoint files", error_type)
+    files: dict[str, Any] = {}
+    for part in all_gather(digests):
+        files.update(part)
+    return files

@@ -82,16 +82,7 @@ def _write(tmp: Path, path: Path, state: dict, snapshot: OptimizerSnapshot, extr
             error = e
     _comm.raise_if_any_failed(error, f"writing {_files.EXTRA_NAME}", CheckpointWriteError)
     names = _comm.broadcast_from_rank0(names)
-    digests, error = {}, None
-    try:
-        for name in _files.my_share(names, _comm.rank(), _comm.world_size()):
-            digests[name] = _files.file_digest(tmp / name)
-    except OSError as e:
-        error = e
-    _comm.raise_if_any_failed(error, "hashing checkpoint files", CheckpointWriteError)
-    files: dict[str, Any] = {}
-    for part in _comm.all_gather(digests):
-        files.update(part)
+    files = _comm.gathered_digests(names, tmp, CheckpointWriteError)
     error = None
     if _comm.rank() == 0:
         try:

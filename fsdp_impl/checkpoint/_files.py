@@ -99,14 +99,19 @@ def leftovers(path: Path) -> list[str]:
     return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(prefixes))
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """Open a checkpoint directory: clear errors for a missing, foreign or damaged one."""
+def require_directory(path: Path) -> None:
+    """A checkpoint path that is no directory is refused, naming leftovers of an interrupted save."""
     if not path.exists():
         hint = leftovers(path)
         more = f" (found leftovers of an interrupted save: {', '.join(hint)})" if hint else ""
         raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist{more}")
     if not path.is_dir():
         raise CheckpointNotFoundError(f"checkpoint path {path} is not a directory")
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Open a checkpoint directory: clear errors for a missing, foreign or damaged one."""
+    require_directory(path)
     manifest_path = path / MANIFEST_NAME
     if not manifest_path.is_file():
         kind = "a bare DCP checkpoint" if (path / DCP_METADATA_NAME).is_file() else "not a checkpoint"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ._errors import CheckpointFormatError, CheckpointNotFoundError
-from ._files import DCP_METADATA_NAME, MANIFEST_NAME, leftovers
+from ._files import DCP_METADATA_NAME, MANIFEST_NAME, require_directory
 
 OURS = "fsdp_impl"
 DCP = "dcp"
@@ -22,12 +22,7 @@ HF_INDEX = "model.safetensors.index.json"
 
 def detect(path: Path) -> str:
     """``OURS``, ``DCP`` or ``HF`` for the directory ``path``; clear errors otherwise."""
-    if not path.exists():
-        hint = leftovers(path)
-        more = f" (found leftovers of an interrupted save: {', '.join(hint)})" if hint else ""
-        raise CheckpointNotFoundError(f"checkpoint directory {path} does not exist{more}")
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"checkpoint path {path} is not a directory")
+    require_directory(path)
     if (path / MANIFEST_NAME).is_file():
         return OURS
     if (path / DCP_METADATA_NAME).is_file():
