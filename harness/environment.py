@@ -56,7 +56,7 @@ def gpus() -> dict[str, Any]:
             "compute_capability": sorted({r[2] for r in rows if len(r) > 2})}
 
 
-def _cudnn_version() -> str | None:
+def cudnn_version() -> str | None:
     """cuDNN's version from the pip package torch loads it from. Never ``torch.backends.cudnn.version()``:
     that loads libcudnn into the pytest process at session start, and a library that later loads
     another cuDNN build by path (TransformerEngine does) then fails with undefined symbols."""
@@ -81,7 +81,7 @@ def torch_versions() -> dict[str, Any]:
     except Exception:  # no NCCL in this build, or no CUDA runtime to ask
         nccl = None
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
-            "cudnn": _cudnn_version() if torch.backends.cudnn.is_available() else None,
+            "cudnn": cudnn_version() if torch.backends.cudnn.is_available() else None,
             "gloo": bool(torch.distributed.is_available() and torch.distributed.is_gloo_available())}
 
 

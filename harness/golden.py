@@ -281,15 +281,22 @@ class Golden:
     def recording(self, device: object = None) -> Iterator[None]:
         """Wrap the run that computes the series: the fingerprint is taken while it runs (its
         thread count, not the one restored after it), and on CPU the VML-backed operators it calls
-        are counted (their bits follow the CPU, so they add the CPU kind to the fingerprint)."""
+        are counted (their bits follow the CPU, so they add the CPU kind to the fingerprint).
+
+        A GPU fingerprint is taken after the run: reading the cuDNN version loads torch's cuDNN,
+        and a TransformerEngine imported after that loads the system's cuDNN sub-libraries
+        against it (seen on the H200 image: ``libcudnn_heuristic.so.9: undefined symbol``); after
+        the run the TE version the run imported is known too."""
         device_type = _device_type(device) or run_device_type() or "cpu"
         record = _Recording(device_type, numerics.MachineDependentOps())
-        with record.ops if device_type == "cpu" else contextlib.nullcontext():
-            record.fingerprint = numerics.fingerprint(device_type)
+        on_cpu = device_type == "cpu"
+        with record.ops if on_cpu else contextlib.nullcontext():
+            before = numerics.fingerprint(device_type) if on_cpu else None
             yield
+            fp = before if before is not None else numerics.fingerprint(device_type)
         if record.ops.threads is not None:  # the thread count the run's first operator saw
-            record.fingerprint["threads"] = str(record.ops.threads)
-        record.fingerprint = numerics.with_machine_dependent(record.fingerprint, record.ops.counts)
+            fp["threads"] = str(record.ops.threads)
+        record.fingerprint = numerics.with_machine_dependent(fp, record.ops.counts)
         self._recording = record
 
     def _run_fingerprint(self, device_type: str) -> dict[str, str]:

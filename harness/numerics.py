@@ -37,6 +37,8 @@ from typing import Any
 
 import pytest
 
+from harness import environment
+
 MARKER = ("pinned_numerics: start this distributed test's rank processes with pinned CPU numerics "
           "(harness.numerics: one thread, ATen's default CPU capability, MKL_CBWR=COMPATIBLE, oneDNN off), "
           "so CPU results are bit-identical across x86-64 machines of one torch build")
@@ -162,7 +164,7 @@ def gpu_fingerprint() -> dict[str, str]:
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
         "cublas": _package("nvidia-cublas"),
-        "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else "none",
+        "cudnn": environment.cudnn_version() or "none",  # never torch.backends.cudnn.version(): see there
         "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
         "transformer_engine": str(getattr(te, "__version__", "none")) if te is not None else "none",
         "deterministic": str(torch.are_deterministic_algorithms_enabled()).lower(),

@@ -120,10 +120,10 @@ CELLS = (
 # One GPU (world 1): the same engine paths on CUDA/NCCL, plus TransformerEngine FP8 parameters.
 GPU_CELLS = (
     Cell("gpu_zero3", 1, optimizer="adam"),
-    Cell("gpu_zero3_bf16", 1, dtype=torch.bfloat16, optimizer="adam", init_dtype=torch.bfloat16),
+    Cell("gpu_zero3_bf16", 1, dtype=torch.bfloat16, optimizer="adam"),
     Cell("gpu_zero2", 1, zero=2, optimizer="adam"),
     Cell("gpu_zero3_recompute", 1, model="recompute", optimizer="adam"),
-    Cell("gpu_fp8_current", 1, model="fp8", recipe="current", optimizer="adam", init_dtype=torch.bfloat16),
+    Cell("gpu_fp8_current", 1, model="fp8", recipe="current", optimizer="adam"),
     Cell("gpu_te_current", 1, model="te", recipe="current", optimizer="adam"),
     Cell("gpu_te_block", 1, model="te", recipe="block", optimizer="adam"),
     Cell("gpu_te_delayed", 1, model="te", recipe="delayed", optimizer="adam"),

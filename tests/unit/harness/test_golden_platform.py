@@ -96,3 +96,32 @@ def test_vml_operators_are_counted_and_results_unchanged() -> None:
     assert seen.counts == {"aten.sqrt": 1, "aten.pow": 1, "aten._foreach_sqrt": 1}, seen.counts
     assert seen.threads == torch.get_num_threads()
     assert all(torch.equal(a, b) for a, b in zip(plain, counted, strict=True))
+
+
+def test_a_gpu_fingerprint_never_loads_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading cuDNN's version loads torch's cuDNN, and a TransformerEngine imported after it then
+    fails to load (``libcudnn_heuristic.so.9: undefined symbol`` on the H200 image): the GPU
+    fingerprint names cuDNN from its package instead."""
+    import torch
+
+    def loads_cudnn() -> int:
+        raise AssertionError("gpu_fingerprint called torch.backends.cudnn.version()")
+
+    monkeypatch.setattr(torch.backends.cudnn, "version", loads_cudnn)
+    monkeypatch.setattr(numerics.environment, "cudnn_version", lambda: "9.19.0.56")
+    assert numerics.gpu_fingerprint()["cudnn"] == "9.19.0.56"
+
+
+def test_a_gpu_fingerprint_is_taken_after_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run may import TransformerEngine: its version belongs in the fingerprint, and nothing
+    the fingerprint reads may run before the run's own imports."""
+    import types
+
+    recorder = golden.Golden.__new__(golden.Golden)
+    recorder._recording = None
+    te = types.ModuleType("transformer_engine")
+    te.__version__ = "2.20.2"  # type: ignore[attr-defined]
+    monkeypatch.delitem(__import__("sys").modules, "transformer_engine", raising=False)
+    with recorder.recording("cuda"):
+        monkeypatch.setitem(__import__("sys").modules, "transformer_engine", te)
+    assert recorder._run_fingerprint("cuda")["transformer_engine"] == "2.20.2"
