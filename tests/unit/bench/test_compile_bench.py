@@ -140,6 +140,7 @@ def test_bad_cells_and_backends_are_refused_naming_the_allowed_values(capsys: py
     assert compile_bench.parse_args([]).cells == list(compile_cells.DEFAULT_CELLS)
 
 
+@pytest.mark.slow  # ~35 s: two fresh processes that compile (the in-process tests above cover the cells)
 def test_cpu_smoke_run_each_cell_in_its_own_process(tmp_path: Path) -> None:
     """The driver on CPU/gloo: two compiled cells, each a fresh process (two pids), the JSON and
     the markdown with the configuration named."""

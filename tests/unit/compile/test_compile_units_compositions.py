@@ -57,6 +57,7 @@ def test_decoupled_grads_bit_for_bit(strategy: int, grads_dtype: torch.dtype, di
         assert p.grad is None
 
 
+@pytest.mark.slow  # ~14 s, like the other FP8 compile tests (test_compile_units.py)
 def test_fp8_units_compile_once(dist_env) -> None:
     """``Float8Linear`` units (current scaling, FP8 params, ZeRO-3): every graph is compiled in the
     first step; later steps call the same graphs (before the fix: 8 graphs more per step here)."""
