@@ -48,12 +48,18 @@ def pick_backend(a: Fp8Tensor, b: Fp8Tensor) -> str:
     return "emulated"
 
 
+@torch.compiler.disable
+def _count(backend: str) -> None:
+    """Outside Dynamo: traced, the increment would guard on the counter's value (a recompile per call)."""
+    gemm_calls[backend] += 1
+
+
 def fp8_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``a (M, K) @ b (N, K).T -> (M, N)`` in ``out_dtype`` (fp32 accumulation)."""
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"FP8 GEMM contraction mismatch: a {a.shape}, b {b.shape}")
     backend = pick_backend(a, b)
-    gemm_calls[backend] += 1
+    _count(backend)
     if backend == "scaled_mm":
         return _tensorwise_scaled_mm(a, b, out_dtype)
     if backend == "scaled_mm_blockwise":
