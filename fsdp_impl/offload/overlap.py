@@ -128,6 +128,7 @@ class OverlapTimes:
     step_end: float | None = None
     landed: int = 0  # units queued as their grads landed, during the backward
     at_end: int = 0  # units queued at the end of the backward
+    norm_hits: int = 0  # "clip": grads whose norm clip_grad_norm took from the backward's
 
     def hidden_share(self) -> float | None:
         """The share of the worker's busy time that lay before the end of the backward."""
@@ -389,7 +390,10 @@ class OverlappedStep:
             if norm_type != 2.0 or mark is None or mark[0] is not t or mark[1] != t._version:
                 return None
             norm = cycle.norms.get(mark[2])
-            return norm if norm is not None and norm.dtype == dtype else None
+            if norm is None or norm.dtype != dtype:
+                return None
+            cycle.times.norm_hits += 1
+            return norm
 
         return lookup
 
