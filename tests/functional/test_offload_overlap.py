@@ -207,3 +207,32 @@ def test_clip_mode_accumulation_and_a_changed_grad(dist_env) -> None:
     for name, value in results[False][1].items():
         assert torch.equal(results["clip"][1][name], value), name
     _no_worker_left()
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.parametrize("variant", ["fsdp_adamw_decoupled_bf16", "torch_adam_bf16_grads_cast"])
+@pytest.mark.parametrize("step", ["cpu", "gpu"])
+@pytest.mark.matrix(zero="optim_grads_params", offload=matrix.param("step", lambda s: f"{s}_overlap"))
+def test_overlap_with_narrow_grads(step: str, variant: str, dist_env) -> None:
+    """bf16 main grads: read as decoupled grads by fsdp_impl.optim.AdamW with bf16 moments (its
+    own kernel and state init), or as .grad by torch's Adam (a cast copy to the fp32 params,
+    which the overlapped step must make from the host buffer as the installed grad is made):
+    overlapped equals non-overlapped bit for bit, losses, params and state."""
+    device = dist_env.device
+    decoupled = variant.startswith("fsdp")
+
+    def make_opt(module: torch.nn.Module) -> torch.optim.Optimizer:
+        if decoupled:
+            return fsdp_impl.optim.AdamW(module.parameters(), lr=1e-2, use_decoupled_grad=True,
+                                         exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+        return torch.optim.Adam(module.parameters(), lr=1e-2)
+
+    mp = fsdp_impl.MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16)
+    runs = {}
+    with window(device):
+        for overlap in (False, True):
+            kwargs = dict(zero_dp_strategy=3, use_decoupled_grad=decoupled, mixed_precision_policy=mp,
+                          offload_policy=_overlap_policy(step, device, overlap))
+            runs[overlap] = train("gpt", device, kwargs, steps=3, make_opt=make_opt)
+    _assert_identical(runs[True], runs[False], f"{variant}, step={step}")
+    assert runs[True][3].__dict__[OVERLAP_ATTR].last_times.landed > 0
