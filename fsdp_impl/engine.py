@@ -27,6 +27,12 @@ if TYPE_CHECKING:
     from .offload.host import ModelOffload
 
 
+# Attribute on each sharded param: a weakref to its model's engine, so an optimizer built on
+# ``model.parameters()`` can find the engines whose buffers its ``zero_grad`` must reset (and
+# ``clip_grad_norm`` the engines whose ``offload_policy`` overlaps the step).
+ENGINE_REF_ATTR = "_fsdp_engine_ref"
+
+
 def phase_label(phase: str, unit: FSDPUnit) -> str:
     """The profiler label of one unit's phase, ``FSDP::pre_forward (blocks.3)``: a trace shows
     which unit each gather, reduction and wait belongs to (``bench.trace_summary`` groups the

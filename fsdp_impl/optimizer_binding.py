@@ -13,16 +13,13 @@ from typing import Any
 import torch
 
 from .decoupled import clear_grads
+from .engine import ENGINE_REF_ATTR as ENGINE_REF_ATTR  # re-exported: where it was defined before
 from .engine import FSDPEngine
 from .graph_mode import USER_CLASS_ATTR, check_optimizer_capturable
 from .local_step import LocalShardStep, eligible_class
 from .offload.optim import check_offload_optimizer, offload_policy_of, offloaded_step, prepare_host_step
 from .offload.overlap import attach_overlap
 from .placement import local_tensor
-
-# Attribute on each sharded param: a weakref to its model's engine, so an optimizer built on
-# ``model.parameters()`` can find the engines whose buffers its ``zero_grad`` must reset.
-ENGINE_REF_ATTR = "_fsdp_engine_ref"
 
 
 def param_mapping(model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:

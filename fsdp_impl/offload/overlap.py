@@ -418,7 +418,7 @@ def _grad_reader(decoupled: bool) -> Callable[[FSDPUnit, ManagedParam], torch.Te
 def clip_norm_lookup(params: list[torch.Tensor]) -> Callable[[torch.Tensor, float, torch.dtype], torch.Tensor | None]:
     """For ``clip_grad_norm``: the precomputed-norm lookup of the overlapped models ``params``
     belong to (or one that finds nothing); raises after an ``overlap_step=True`` backward."""
-    from ..optimizer_binding import ENGINE_REF_ATTR
+    from ..engine import ENGINE_REF_ATTR
     controllers: list[OverlappedStep] = []
     seen: list[Any] = []
     for p in params:
