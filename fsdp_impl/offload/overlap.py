@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.profiler import record_function
 
 from ..device import CommStream, current, record_current, wait_on_host
 from ..placement import local_tensor
@@ -256,11 +257,14 @@ class OverlappedStep:
         else:
             work = lambda: self._norms_of(cycle, unit, decoupled)  # noqa: E731
 
+        label = f"FSDP::overlap_{'step' if self.mode is True else 'norms'} ({unit.name})"
+
         def task() -> None:
             start = time.perf_counter()
-            wait_on_host(event)  # the unit's grads are in host memory
-            with current(self.device), torch.no_grad():
-                work()
+            with record_function(label):  # what a trace shows against the backward's compute
+                wait_on_host(event)  # the unit's grads are in host memory
+                with current(self.device), torch.no_grad():
+                    work()
             cycle.times.busy.append((start, time.perf_counter()))
 
         cycle.worker.submit(task)
