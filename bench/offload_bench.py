@@ -260,7 +260,7 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int,
         "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else 0.0,
         "rest_gib": torch.cuda.memory_allocated() / GIB if cuda else 0.0,
         "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,  # Linux: KiB
-        "loss_first": losses[0], "loss_last": losses[-1], "status": "ok",
+        "loss_first": losses[0], "loss_last": losses[-1], "losses": losses, "status": "ok",
     }
     if hidden:  # the overlapped host work: its median ms and the share of it hidden under the backward
         row["overlap_hidden_ms"] = median([h for h, _ in hidden])
