@@ -129,7 +129,7 @@ class FSDPEngine:
         zero3 = self.ctx.zero3
         if unit is self.root:
             if self.offload is not None and self.offload.overlap is not None:
-                self.offload.overlap.before_forward()  # overlap_step=True: optimizer.step() came first
+                self.offload.overlap.before_forward(self)  # overlap_step=True: optimizer.step() came first
             if self._backward_active:  # the last backward raised before its end-of-backward callback
                 self._abandon_backward()
             if zero3:  # a forward without backward (eval) may have left units gathered/prefetched

@@ -151,8 +151,17 @@ class _Cycle:
     norms: dict[int, torch.Tensor] = field(default_factory=dict)  # "clip": id(param) -> its grad's norm
     # "clip": id(local grad) -> (that grad, its version at the end of the backward, id(param))
     norm_marks: dict[int, tuple[torch.Tensor, int, int]] = field(default_factory=dict)
-    finished: bool = False  # its end-of-backward ran
+    engines: list[FSDPEngine] = field(default_factory=list)  # the models whose sync backward it belongs to
+    done: list[FSDPEngine] = field(default_factory=list)  # those whose end-of-backward ran
     times: OverlapTimes = field(default_factory=OverlapTimes)
+
+    @property
+    def finished(self) -> bool:
+        """Every model of the cycle ended its backward."""
+        return bool(self.done) and all(any(e is d for d in self.done) for e in self.engines)
+
+    def has(self, engine: FSDPEngine) -> bool:
+        return any(engine is e for e in self.engines)
 
 
 def _hyper(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -193,9 +202,10 @@ class OverlappedStep:
     def unit_landed(self, engine: FSDPEngine, unit: FSDPUnit) -> None:
         """The sync backward reduced ``unit``'s grads: copy them to the host after the
         reduction and queue the unit's task."""
-        if self.optimizer is None or unit.grad is None or unit.offload is None or self.defers(engine):
+        if (self.optimizer is None or unit.grad is None or unit.offload is None or unit.offload.landed
+                or self.defers(engine)):
             return
-        cycle = self._cycle()
+        cycle = self._cycle(engine)
         streams = unit.ctx.streams
         with streams.reduce.use():  # after the unit's reduction, off the compute stream
             streams.reduce.keep_alive(unit.grad.data)  # the copy reads it here; it is freed below
@@ -210,7 +220,7 @@ class OverlappedStep:
         land during it, then remember the grads' versions (a later in-place change shows)."""
         if self.optimizer is None:
             return
-        cycle = self._cycle()
+        cycle = self._cycle(engine)
         for unit in reversed(engine.units):
             if unit.grad is not None and unit.offload is not None and not unit.offload.landed:
                 cycle.times.at_end += 1
@@ -229,12 +239,14 @@ class OverlappedStep:
                     if grad is not None:
                         local = local_tensor(grad)
                         cycle.norm_marks[id(local)] = (local, local._version, id(mp.sharded))
-        cycle.finished = True
+        cycle.done.append(engine)
         cycle.times.backward_end = time.perf_counter()
 
-    def _cycle(self) -> _Cycle:
-        """The open cycle, or a new one (after consuming or refusing the previous one)."""
-        if self.cycle is not None and self.cycle.finished:
+    def _cycle(self, engine: FSDPEngine) -> _Cycle:
+        """The open cycle, or a new one (after consuming or refusing the previous one: ``engine``
+        ends its backward twice in one cycle). Several models may share the optimizer: each
+        joins the cycle with its own backward."""
+        if self.cycle is not None and any(engine is d for d in self.cycle.done):
             if self.mode is True:
                 worker, self.cycle = self.cycle.worker, None
                 worker.join_after_failure()
@@ -247,6 +259,8 @@ class OverlappedStep:
             optimizer = self.optimizer
             assert optimizer is not None
             self.cycle = _Cycle(StepWorker(), _hyper(optimizer.param_groups))
+        if not self.cycle.has(engine):
+            self.cycle.engines.append(engine)
         return self.cycle
 
     def _submit(self, cycle: _Cycle, engine: FSDPEngine, unit: FSDPUnit, event: Any) -> None:
@@ -351,10 +365,13 @@ class OverlappedStep:
             self.last_times = cycle.times
 
     # ------------------------------------------------------------------ guards
-    def before_forward(self) -> None:
-        """The next forward would read weights an ``overlap_step=True`` cycle is writing."""
+    def before_forward(self, engine: FSDPEngine) -> None:
+        """The next forward of ``engine`` would read weights an ``overlap_step=True`` cycle is
+        writing (the forward of another model sharing the optimizer may run)."""
         if self.pending_steps():
             assert self.cycle is not None
+            if not self.cycle.has(engine):
+                return
             worker, self.cycle = self.cycle.worker, None
             worker.join_after_failure()
             raise RuntimeError("a forward ran after a backward with OffloadPolicy(overlap_step=True) but before "

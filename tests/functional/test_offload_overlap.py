@@ -236,3 +236,29 @@ def test_overlap_with_narrow_grads(step: str, variant: str, dist_env) -> None:
             runs[overlap] = train("gpt", device, kwargs, steps=3, make_opt=make_opt)
     _assert_identical(runs[True], runs[False], f"{variant}, step={step}")
     assert runs[True][3].__dict__[OVERLAP_ATTR].last_times.landed > 0
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.matrix(zero="optim_grads_params", model="mlp", offload="cpu_overlap")
+def test_two_models_share_one_overlapped_optimizer(dist_env) -> None:
+    """Two wrapped models, one optimizer: model B's forward may run after model A's overlapped
+    backward (its weights are not being written), the step waits for both backwards' units, and
+    the result equals overlap_step=False bit for bit."""
+    device = dist_env.device
+    finals = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        nets = [torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)) for _ in range(2)]
+        models = [fsdp_impl.fully_shard_model(net, fsdp_unit_modules=[torch.nn.Linear], zero_dp_strategy=3,
+                                              offload_policy=_overlap_policy("cpu", device, overlap)) for net in nets]
+        opt = fsdp_impl.fully_shard_optimizer(torch.optim.Adam([p for m in models for p in m.parameters()], lr=1e-2))
+        gen = torch.Generator().manual_seed(7 + dist.get_rank())
+        for _ in range(3):
+            for model in models:
+                model(torch.randn(4, 6, generator=gen).to(device)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        finals[overlap] = [full_tensor(p) for m in models for p in m.parameters()]
+    for got, want in zip(finals[True], finals[False], strict=True):
+        assert torch.equal(got, want)
+    _no_worker_left()
