@@ -262,3 +262,27 @@ def test_two_models_share_one_overlapped_optimizer(dist_env) -> None:
     for got, want in zip(finals[True], finals[False], strict=True):
         assert torch.equal(got, want)
     _no_worker_left()
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.parametrize("style", ["inside", "wrapper_reentrant"])
+@pytest.mark.matrix(zero="optim_grads_params", model="mlp", recompute=matrix.param("style"), offload="gpu_overlap")
+def test_overlap_with_activation_recompute(style: str, dist_env) -> None:
+    """Recompute re-gathers units from their host shards inside the backward (reentrant: in an
+    inner backward) while earlier units already step: losses, every step's grads and the params
+    equal the run with neither offload nor recompute."""
+    from tests.functional.common.recompute import RecomputeBlock, assert_bit_identical, build_net
+    from tests.functional.common.recompute import train as train_recompute
+    device = dist_env.device
+    records = {}
+    hostall = fsdp_impl.OffloadPolicy(step="gpu", params=True, grads=True, chunk_bytes=4096,
+                                      pin_memory=device.type == "cuda", overlap_step=True)
+    for name, recompute, offload in (("plain", "none", None), ("both", style, hostall)):
+        net = build_net(recompute)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        with window(device):
+            model, opt = fsdp_impl.fully_shard(net, opt, fsdp_unit_modules=[RecomputeBlock], zero_dp_strategy=3,
+                                               offload_policy=offload)
+            records[name] = train_recompute(model, opt, 3, 2, device)
+    assert_bit_identical(records["both"], records["plain"], f"overlapped offload + recompute {style}")
+    assert opt.__dict__[OVERLAP_ATTR].last_times.landed > 0
