@@ -251,14 +251,15 @@ class OffloadedAdamStep:
         decoupled = bool(getattr(self.optimizer, "use_decoupled_grad", False))
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
-                if id(p) not in self.owner:
-                    raise ValueError("offload_policy: the optimizer holds a parameter that is not a trainable "
-                                     "parameter of an offloaded model")
-                if only is not None and all(self.owner[id(p)][0] is not u for u in only):
+                owner = self.owner.get(id(p))
+                if only is not None and (owner is None or all(owner[0] is not u for u in only)):
                     continue
-                grad = read_grad(p, decoupled) if grad_of is None else grad_of(*self.owner[id(p)])
+                grad = read_grad(p, decoupled) if grad_of is None or owner is None else grad_of(*owner)
                 if grad is None:
                     continue
+                if owner is None:
+                    raise ValueError("offload_policy: the optimizer holds a parameter that is not a trainable "
+                                     "parameter of an offloaded model")
                 if torch.is_complex(p) or grad.is_sparse:
                     raise ValueError("offload_policy=OffloadPolicy(step='gpu') supports dense real parameters "
                                      "and grads only")

@@ -286,3 +286,23 @@ def test_overlap_with_activation_recompute(style: str, dist_env) -> None:
             records[name] = train_recompute(model, opt, 3, 2, device)
     assert_bit_identical(records["both"], records["plain"], f"overlapped offload + recompute {style}")
     assert opt.__dict__[OVERLAP_ATTR].last_times.landed > 0
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.parametrize("step", ["cpu", "gpu"])
+@pytest.mark.matrix(zero="optim_grads_params", model="mlp", offload=matrix.param("step", lambda s: f"{s}_overlap"))
+def test_frozen_params_in_the_optimizer(step: str, dist_env) -> None:
+    """An optimizer over every param, one of them frozen (no grad, in no unit's trainable set):
+    the overlapped run skips it as the optimizer does, and equals overlap_step=False bit for bit."""
+    device = dist_env.device
+
+    def make_opt(module: torch.nn.Module) -> torch.optim.Optimizer:
+        module.inner.bias.requires_grad_(False)
+        return torch.optim.Adam(module.parameters(), lr=1e-2)
+
+    runs = {}
+    with window(device):
+        for overlap in (False, True):
+            kwargs = dict(zero_dp_strategy=3, offload_policy=_overlap_policy(step, device, overlap))
+            runs[overlap] = train("tiny", device, kwargs, steps=3, make_opt=make_opt)
+    _assert_identical(runs[True], runs[False], f"frozen bias, step={step}")
