@@ -306,3 +306,21 @@ def test_frozen_params_in_the_optimizer(step: str, dist_env) -> None:
             kwargs = dict(zero_dp_strategy=3, offload_policy=_overlap_policy(step, device, overlap))
             runs[overlap] = train("tiny", device, kwargs, steps=3, make_opt=make_opt)
     _assert_identical(runs[True], runs[False], f"frozen bias, step={step}")
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.matrix(zero="optim_grads_params", model="mlp", offload="cpu_overlap")
+def test_units_start_at_the_end_when_grads_are_final_only_there(dist_env) -> None:
+    """report_nan_in_param_grad checks every grad at the end of the backward (HSDP's outer
+    all-reduce also comes last): no unit may start before, every unit starts then, and the
+    result equals overlap_step=False bit for bit."""
+    device = dist_env.device
+    runs = {}
+    for overlap in (False, True):
+        kwargs = dict(zero_dp_strategy=3, report_nan_in_param_grad=True,
+                      offload_policy=_overlap_policy("cpu", device, overlap))
+        runs[overlap] = train("tiny", device, kwargs, steps=3)
+    _assert_identical(runs[True], runs[False], "report_nan_in_param_grad")
+    model, opt = runs[True][2], runs[True][3]
+    times = opt.__dict__[OVERLAP_ATTR].last_times
+    assert times.landed == 0 and times.at_end == len([u for u in model._fsdp_engine.units if u.grad is not None])
