@@ -4,7 +4,13 @@ fresh process, side by side in one run, ``--reps`` runs each (default 3; the tab
 
 The anchor every row is put against (column "vs fsdp2-offload-fused") is FSDP2 offloading as its
 informed users run it: ``CPUOffloadPolicy(pin_memory=True)`` with ``AdamW(fused=True)``. FSDP2 with
-the default (single-tensor) CPU AdamW stays as a secondary row, ``fsdp2-offload``.
+the default (single-tensor) CPU AdamW stays as a secondary row, ``fsdp2-offload``. The ``-clip``
+cells clip the grad norm before every step and are put against the anchor clipping too
+(``fsdp2-offload-fused-clip``) when that row ran. The ``-overlap`` cells run
+``OffloadPolicy(overlap_step=...)``; their column "overlapped ms (hidden)" is the host time of the
+units' overlapped steps (or norms, ``-overlap-clip``) and the share of it that ran before the
+backward ended (host timestamps of the worker, ``OverlapTimes.busy``, against the time the
+backward was done on the device). ``--trace DIR`` writes a torch.profiler Chrome trace per cell.
 
 Usage, from the repository root on a machine with one GPU::
 
@@ -12,6 +18,8 @@ Usage, from the repository root on a machine with one GPU::
     python -m bench.offload_bench --size 7b --cells ours-gpu,fsdp2-offload
     python -m bench.offload_bench --bandwidth                      # pinned H2D / D2H GB/s only
     python -m bench.offload_bench --sizes 7b,9b,13b --cells ours-gpu-lean,fsdp2-offload-fused
+    python -m bench.offload_bench --size 1.3b --cells fsdp2-offload-fused,ours-cpu,ours-cpu-overlap --trace /tmp/tr
+    python -m bench.offload_bench --size tiny --cells ours,ours-cpu,ours-cpu-overlap --reps 1   # CPU smoke
 
 ``--sizes`` steps each cell up through the sizes given until one does not train (out of memory,
 an error or a timeout) and ends with the largest size each cell trained: the "largest model on
@@ -58,22 +66,58 @@ CELLS = {
     "ours-cpu": "as ours + OffloadPolicy(step='cpu') (host step, torch's fused CPU AdamW)",
     "ours-gpu-lean": ("as ours-gpu with bf16 main grads read as decoupled grads by fsdp_impl.optim.AdamW with bf16 "
                       "moments (10 host bytes a param instead of 16: the largest models)"),
+    "ours-gpu-overlap": ("as ours-gpu + overlap_step=True (each unit's streamed step starts as its grads land, "
+                         "during the backward)"),
+    "ours-cpu-overlap": "as ours-cpu + overlap_step=True (each unit's host step runs during the backward)",
+    "ours-gpu-clip": "as ours-gpu + fsdp_impl.clip_grad_norm(model, 1.0) before every step",
+    "ours-cpu-clip": "as ours-cpu + fsdp_impl.clip_grad_norm(model, 1.0) before every step",
+    "ours-gpu-overlap-clip": ("as ours-gpu-clip + overlap_step='clip' (grad copies and norms during the backward, "
+                              "the step after the norm)"),
+    "ours-cpu-overlap-clip": "as ours-cpu-clip + overlap_step='clip'",
     "fsdp2": "torch fully_shard per block + root, fp32 module, param bf16 / reduce fp32, AdamW (foreach)",
     "fsdp2-offload": ("as fsdp2 + CPUOffloadPolicy(pin_memory=True), AdamW default (CPU: single-tensor; a secondary "
                       "row: informed users pass fused=True)"),
     "fsdp2-offload-fused": ("THE ANCHOR: as fsdp2-offload with AdamW(fused=True) (torch's fused CPU kernel, as torch's "
                             "documentation suggests for offload)"),
+    "fsdp2-offload-fused-clip": ("the anchor with torch.nn.utils.clip_grad_norm_(params, 1.0) before every step (what "
+                                 "the -clip cells are put against)"),
 }
-DEFAULT_CELLS = ("fsdp2-offload-fused", "ours", "ours-gpu", "ours-gpu-hostall", "ours-cpu", "fsdp2", "fsdp2-offload")
+DEFAULT_CELLS = ("fsdp2-offload-fused", "ours", "ours-gpu", "ours-gpu-hostall", "ours-cpu", "ours-gpu-overlap",
+                 "ours-cpu-overlap", "fsdp2", "fsdp2-offload")
+# What the -clip cells clip to (every step, so the step always waits for the global norm)
+CLIP_NORM = 1.0
 # Every offloaded cell is put against FSDP2 offloading as its informed users run it (issue 48).
 ANCHOR = "fsdp2-offload-fused"
 LR = 1e-4
 GIB = 2**30
 
 
+def base_cell(cell: str) -> str:
+    """The cell without its ``-overlap``/``-clip`` suffixes (they move the same bytes)."""
+    for suffix in ("-clip", "-overlap"):
+        cell = cell.removesuffix(suffix)
+    return cell
+
+
+def overlap_mode(cell: str) -> bool | str:
+    """``OffloadPolicy.overlap_step`` of ``cell``."""
+    if "-overlap" not in cell:
+        return False
+    return "clip" if cell.endswith("-clip") else True
+
+
+def overlap_share(busy: list[tuple[float, float]], backward_end: float) -> tuple[float, float]:
+    """(ms of the overlapped host work that lay before ``backward_end``, ms of all of it): the
+    worker's busy intervals (``OverlapTimes.busy``) against the host time the backward ended."""
+    total = sum(b - a for a, b in busy)
+    hidden = sum(max(0.0, min(b, backward_end) - a) for a, b in busy)
+    return 1e3 * hidden, 1e3 * total
+
+
 def offload_bytes(cell: str, n: int) -> tuple[int, int]:
     """(H2D, D2H) bytes one training step of ``cell`` moves between host and device, per rank of
     1, fp32 main params/grads/moments, bf16 compute, ZeRO-3 (two gathers per step)."""
+    cell = base_cell(cell)
     if cell == "ours-gpu":  # window: main + 2 moments + grads in, main + 2 moments out; grads down after the
         return 16 * n, 12 * n + 4 * n  # backward; gathers from the device compute shard (refreshed from the window)
     if cell == "ours-gpu-hostall":  # window also streams the grads in; grads down after backward; 2 gathers from host
@@ -89,12 +133,20 @@ def offload_bytes(cell: str, n: int) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------------- one cell
 def _init() -> torch.device:
+    """One rank: CUDA and NCCL, or (no GPU: the ``--size tiny`` smoke) the CPU and gloo."""
     import torch.distributed as dist
 
-    torch.cuda.set_device(0)
     port = int(os.environ.get("OFFLOAD_BENCH_PORT", "29561"))
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    return torch.device("cuda", 0)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    return torch.device("cuda", 0) if cuda else torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -106,13 +158,15 @@ def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Mo
     if cell.startswith("ours"):
         module = module.to(torch.bfloat16)
         kwargs: dict[str, Any] = {}
-        if cell in ("ours-gpu", "ours-gpu-lean"):
-            kwargs["offload_policy"] = fsdp_impl.OffloadPolicy()
-        elif cell == "ours-gpu-hostall":
-            kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(params=True, grads=True)
-        elif cell == "ours-cpu":
-            kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu")
-        lean = cell == "ours-gpu-lean"
+        base, pin, overlap = base_cell(cell), device.type == "cuda", overlap_mode(cell)
+        if base in ("ours-gpu", "ours-gpu-lean"):
+            kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(pin_memory=pin, overlap_step=overlap)
+        elif base == "ours-gpu-hostall":
+            kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(params=True, grads=True, pin_memory=pin,
+                                                               overlap_step=overlap)
+        elif base == "ours-cpu":
+            kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu", pin_memory=pin, overlap_step=overlap)
+        lean = base == "ours-gpu-lean"
         policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                                 main_grads_dtype=torch.bfloat16 if lean else torch.float32)
         opt: torch.optim.Optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
@@ -125,20 +179,37 @@ def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Mo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("dp",))
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp",))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=True) if cell.startswith("fsdp2-offload") else OffloadPolicy()
     for blk in module.blocks:
         fully_shard(blk, mesh=mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(module, mesh=mesh, mp_policy=mp, offload_policy=offload)
-    fused = True if cell == "fsdp2-offload-fused" else None
+    fused = True if base_cell(cell) == "fsdp2-offload-fused" else None
     return module, torch.optim.AdamW(module.parameters(), lr=LR, fused=fused)
 
 
-def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int) -> dict[str, Any]:
+def _clip(cell: str, model: torch.nn.Module) -> None:
+    """The -clip cells: the global grad norm clipped before every step."""
+    if not cell.endswith("-clip"):
+        return
+    if cell.startswith("ours"):
+        import fsdp_impl
+        fsdp_impl.clip_grad_norm(model, CLIP_NORM)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+
+
+def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int,
+             trace: Path | None = None) -> dict[str, Any]:
+    """One cell in this process. With ``trace``, the measured steps run under torch.profiler and
+    its Chrome trace is written to ``trace/<cell>-<size>.json`` (the host step, copies and compute)."""
+    from fsdp_impl.offload.optim import overlap_of
+
     device = _init()
     cfg = SIZES[size]
     model, opt = _build(cell, cfg, device)
+    overlap = overlap_of(opt)
     gen = torch.Generator(device=device).manual_seed(1234)
     tokens = torch.randint(0, cfg.vocab, (micro_batch, cfg.seq + 1), device=device, generator=gen)
     inputs, target = tokens[:, :-1], tokens[:, 1:]
@@ -146,35 +217,65 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int) ->
     fwd_bwd: list[float] = []
     step_times: list[float] = []
     totals: list[float] = []
+    hidden: list[tuple[float, float]] = []  # per measured step: (ms hidden under the backward, ms in all)
+    profiler = None
     for i in range(warmup + steps):
         if i == warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            _sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            if trace is not None:
+                profiler = _start_profiler(device)
         t0 = time.perf_counter()
         loss = F.cross_entropy(model(inputs).float().view(-1, cfg.vocab), target.reshape(-1))
         loss.backward()
-        torch.cuda.synchronize()
+        _sync(device)
         t1 = time.perf_counter()
+        _clip(cell, model)
         opt.step()
         opt.zero_grad()
-        torch.cuda.synchronize()
+        _sync(device)
         t2 = time.perf_counter()
         losses.append(loss.item())
         if i >= warmup:
             fwd_bwd.append(t1 - t0)
             step_times.append(t2 - t1)
             totals.append(t2 - t0)
+            if overlap is not None and overlap.last_times is not None:
+                hidden.append(overlap_share(overlap.last_times.busy, t1))
+    if profiler is not None and trace is not None:
+        profiler.stop()
+        trace.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(trace / f"{cell}-{size}.json"))
+
     def median(values: list[float]) -> float:
         return sorted(values)[len(values) // 2]
 
-    return {
+    cuda = device.type == "cuda"
+    row = {
         "cell": cell, "size": size, "params": num_params_of(cfg), "micro_batch": micro_batch, "seq": cfg.seq,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
         "tokens_per_s": micro_batch * cfg.seq / median(totals), "step_ms": 1e3 * median(totals),
         "fwd_bwd_ms": 1e3 * median(fwd_bwd), "opt_ms": 1e3 * median(step_times),
-        "peak_gib": torch.cuda.max_memory_allocated() / GIB, "rest_gib": torch.cuda.memory_allocated() / GIB,
+        "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else 0.0,
+        "rest_gib": torch.cuda.memory_allocated() / GIB if cuda else 0.0,
         "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,  # Linux: KiB
-        "loss_first": losses[0], "loss_last": losses[-1], "status": "ok",
+        "loss_first": losses[0], "loss_last": losses[-1], "losses": losses, "status": "ok",
     }
+    if hidden:  # the overlapped host work: its median ms and the share of it hidden under the backward
+        row["overlap_hidden_ms"] = median([h for h, _ in hidden])
+        row["overlap_total_ms"] = median([t for _, t in hidden])
+        row["overlap_share"] = median([h / t if t > 0 else 0.0 for h, t in hidden])
+    return row
+
+
+def _start_profiler(device: torch.device) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    profiler = profile(activities=activities)
+    profiler.start()
+    return profiler
 
 
 # -------------------------------------------------------------------------------- bandwidth
@@ -214,6 +315,8 @@ def _spawn(cell: str, size: str, args: argparse.Namespace) -> dict[str, Any]:
     a timeout or when the driver is signalled); its result is the last JSON line it prints."""
     cmd = [sys.executable, "-m", "bench.offload_bench", "--one", cell, "--size", size,
            "--micro-batch", str(args.micro_batch), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    if getattr(args, "trace", None) is not None:
+        cmd += ["--trace", str(args.trace)]
     done = launch.run(cmd, dict(os.environ, PYTHONUNBUFFERED="1"), args.timeout, prefix=f"[{cell} {size}] ")
     if done.timed_out:
         return {"cell": cell, "size": size, "status": "timeout", "detail": f"over {args.timeout} s"}
@@ -266,9 +369,9 @@ def medians(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def versus_anchor(rows: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
+def versus_anchor(rows: list[dict[str, Any]], anchor_cell: str = ANCHOR) -> dict[tuple[str, str], float]:
     """tokens/s of each ok (median) row over the anchor's at the same size (no anchor row: absent)."""
-    anchor = {r["size"]: r["tokens_per_s"] for r in rows if r["cell"] == ANCHOR and r.get("status") == "ok"}
+    anchor = {r["size"]: r["tokens_per_s"] for r in rows if r["cell"] == anchor_cell and r.get("status") == "ok"}
     return {(r["cell"], r["size"]): r["tokens_per_s"] / anchor[r["size"]]
             for r in rows if r.get("status") == "ok" and r["size"] in anchor}
 
@@ -285,16 +388,25 @@ def largest(rows: list[dict[str, Any]], cells: list[str], sizes: list[str]) -> s
 
 
 def _table(rows: list[dict[str, Any]], bw: dict[str, float] | None) -> str:
+    """The Markdown table. A -clip cell is put against the anchor clipping too when that row
+    exists (``fsdp2-offload-fused-clip``, the ratio marked ``c``); "hidden" is the share of the
+    overlapped host work (the units' steps or norms) that ran before the backward ended."""
     head = (f"| cell | size | tokens/s | vs {ANCHOR} | step ms | fwd+bwd ms | opt ms | peak GiB | rest GiB "
-            "| host peak GiB | loss first/last | step's host<->device bytes / duplex bandwidth, ms |")
-    lines = [head, "|" + "---|" * 12]
+            "| host peak GiB | loss first/last | step's host<->device bytes / duplex bandwidth, ms "
+            "| overlapped ms (hidden) |")
+    lines = [head, "|" + "---|" * 13]
     ratio = versus_anchor(rows)
+    clip_ratio = versus_anchor(rows, f"{ANCHOR}-clip")
     for r in rows:
         if r.get("status") != "ok":
             lines.append(f"| {r['cell']} | {r.get('size', '')} | {r.get('status')} | | | | | | | | | "
-                         f"{r.get('detail', '')[:80]} |")
+                         f"{r.get('detail', '')[:80]} | |")
             continue
-        vs = f"{ratio[(r['cell'], r['size'])]:.2f}x" if (r["cell"], r["size"]) in ratio else ""
+        key = (r["cell"], r["size"])
+        if r["cell"].endswith("-clip") and key in clip_ratio:
+            vs = f"{clip_ratio[key]:.2f}x c"
+        else:
+            vs = f"{ratio[key]:.2f}x" if key in ratio else ""
         bound = ""
         if bw is not None:
             h2d, d2h = offload_bytes(r["cell"], r["params"])
@@ -303,8 +415,14 @@ def _table(rows: list[dict[str, Any]], bw: dict[str, float] | None) -> str:
         lines.append(f"| {r['cell']} | {r['size']} | {r['tokens_per_s']:.0f} | {vs} | {r['step_ms']:.0f} | "
                      f"{r['fwd_bwd_ms']:.0f} | {r['opt_ms']:.0f} | {r['peak_gib']:.2f} | {r['rest_gib']:.2f} | "
                      f"{r.get('host_peak_gib', float('nan')):.1f} | "
-                     f"{r['loss_first']:.3f}/{r['loss_last']:.3f} | {bound} |")
+                     f"{r['loss_first']:.3f}/{r['loss_last']:.3f} | {bound} | {_overlap_cell(r)} |")
     return "\n".join(lines)
+
+
+def _overlap_cell(row: dict[str, Any]) -> str:
+    if "overlap_share" not in row:
+        return ""
+    return f"{row['overlap_total_ms']:.0f} ({100 * row['overlap_share']:.0f} %)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -322,6 +440,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bandwidth", action="store_true", help="only measure pinned copy bandwidth")
     parser.add_argument("--report-limit", action="store_true", help="also measure bandwidth and the PCIe bound")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="write a torch.profiler Chrome trace of each cell's measured steps into this directory")
     parser.add_argument("--one", choices=list(CELLS), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -329,7 +449,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.one:
-        print(json.dumps(run_cell(args.one, args.size, args.micro_batch, args.warmup, args.steps)), flush=True)
+        print(json.dumps(run_cell(args.one, args.size, args.micro_batch, args.warmup, args.steps, args.trace)),
+              flush=True)
         return
     launch.stop_children_on_signal()  # a signalled driver (timeout, Ctrl-C) stops the running cell too
     bw = bandwidth() if args.bandwidth or args.report_limit else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +29,13 @@ except ImportError:  # pragma: no cover - depends on the torch build
 from torch.distributed.tensor import DTensor
 
 from fsdp_impl.decoupled import grad_attr_name, read_grad
+from fsdp_impl.offload.overlap import clip_norm_lookup
 from fsdp_impl.placement import local_tensor
 
 __all__ = ["clip_grad_norm"]
+
+# A local grad's norm computed earlier (norm type, accumulation dtype), or None
+NormLookup = Callable[[torch.Tensor, float, torch.dtype], "torch.Tensor | None"]
 
 # torch.nn.utils.clip_grad_norm_ uses the same epsilon; keeping it makes results comparable.
 _CLIP_EPS = 1e-6
@@ -127,17 +131,23 @@ def _acc_dtype(groups: list[_ReduceGroup]) -> torch.dtype:
     return torch.float64 if wide else torch.float32
 
 
-def _local_partial(tensors: list[torch.Tensor], norm_type: float, dtype: torch.dtype) -> torch.Tensor:
+def _local_partial(tensors: list[torch.Tensor], norm_type: float, dtype: torch.dtype,
+                   cached: NormLookup | None = None) -> torch.Tensor:
     """``sum |g|^p`` (or ``max |g|``) over local tensors; 0 for empty shards.
 
     Empty shards are left out (they contribute 0, and the inf norm rejects empty input) but the
-    partial still exists, so ranks holding only empty shards join the collectives.
+    partial still exists, so ranks holding only empty shards join the collectives. ``cached``
+    gives per-tensor norms computed during the backward (``OffloadPolicy(overlap_step="clip")``:
+    the same ``_foreach_norm`` of the same tensors); the others are computed here, in one call.
     """
     device = tensors[0].device
     nonempty = [t for t in tensors if t.numel() > 0]
     if not nonempty:
         return torch.zeros((), dtype=dtype, device=device)
-    norms = torch.stack([n.to(device) for n in torch._foreach_norm(nonempty, norm_type, dtype=dtype)])
+    found = [cached(t, norm_type, dtype) if cached is not None else None for t in nonempty]
+    missing = [t for t, n in zip(nonempty, found, strict=True) if n is None]
+    fresh = iter(torch._foreach_norm(missing, norm_type, dtype=dtype) if missing else [])
+    norms = torch.stack([(n if n is not None else next(fresh)).to(device) for n in found])
     if math.isinf(norm_type):
         return norms.max()
     return (norms**norm_type).sum()
@@ -154,11 +164,11 @@ def _reduce(partial: torch.Tensor, group: _ReduceGroup, norm_type: float) -> tor
     return partial
 
 
-def _total_norm(groups: list[_ReduceGroup], norm_type: float) -> torch.Tensor:
+def _total_norm(groups: list[_ReduceGroup], norm_type: float, cached: NormLookup | None = None) -> torch.Tensor:
     dtype = _acc_dtype(groups)
     total: torch.Tensor | None = None
     for group in groups:
-        reduced = _reduce(_local_partial(group.tensors, norm_type, dtype), group, norm_type)
+        reduced = _reduce(_local_partial(group.tensors, norm_type, dtype, cached), group, norm_type)
         if total is None:
             total = reduced
         else:
@@ -203,7 +213,8 @@ def clip_grad_norm(
     groups = _group_grads(params, use_decoupled)
     if not groups:
         return torch.zeros(())
-    total = _total_norm(groups, norm)
+    cached = clip_norm_lookup(params)  # offload overlap_step: refuses, or the norms of the backward
+    total = _total_norm(groups, norm, cached)
     if not bool(torch.isfinite(total)):
         message = (
             f"The total norm of order {norm_type} of the gradients (param."

@@ -172,6 +172,16 @@ def wait_on_host(event: torch.cuda.Event | None) -> None:
 _CUDA_BACKENDS = ("nccl", "fake")
 
 
+def record_current(device: torch.device) -> torch.cuda.Event | None:
+    """An event on the current stream of ``device`` (None on CPU, where work is synchronous):
+    what a host thread waits on (``wait_on_host``) before reading what that stream wrote."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 def default_device_type() -> str:
     """Device type for a mesh built by us (``device_mesh=None``): CUDA only when the default
     process group can take CUDA tensors (NCCL, fake), so gloo on a GPU node still runs on CPU."""
@@ -208,6 +218,16 @@ class CommStream:
             yield
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            yield
+
+    @contextlib.contextmanager
+    def enter(self) -> Iterator[None]:
+        """Make the side stream current *without* waiting for the compute stream: for work whose
+        inputs the caller already ordered (e.g. a host thread that waited for an event)."""
+        if self._stream is None:
+            yield
+            return
         with torch.cuda.stream(self._stream):
             yield
 

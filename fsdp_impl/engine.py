@@ -27,6 +27,12 @@ if TYPE_CHECKING:
     from .offload.host import ModelOffload
 
 
+# Attribute on each sharded param: a weakref to its model's engine, so an optimizer built on
+# ``model.parameters()`` can find the engines whose buffers its ``zero_grad`` must reset (and
+# ``clip_grad_norm`` the engines whose ``offload_policy`` overlaps the step).
+ENGINE_REF_ATTR = "_fsdp_engine_ref"
+
+
 def phase_label(phase: str, unit: FSDPUnit) -> str:
     """The profiler label of one unit's phase, ``FSDP::pre_forward (blocks.3)``: a trace shows
     which unit each gather, reduction and wait belongs to (``bench.trace_summary`` groups the
@@ -122,6 +128,8 @@ class FSDPEngine:
             return
         zero3 = self.ctx.zero3
         if unit is self.root:
+            if self.offload is not None and self.offload.overlap is not None:
+                self.offload.overlap.before_forward(self)  # overlap_step=True: optimizer.step() came first
             if self._backward_active:  # the last backward raised before its end-of-backward callback
                 self._abandon_backward()
             if zero3:  # a forward without backward (eval) may have left units gathered/prefetched
@@ -276,6 +284,8 @@ class FSDPEngine:
         if unit.accept_grad(param):
             with traced_phase("post_backward", unit):
                 unit.reduce_grads(self.sync, self.comm_dtype(unit))
+                if self.sync and self.offload is not None and self.offload.overlap is not None:
+                    self.offload.overlap.unit_landed(self, unit)  # overlap_step: its copy and step start
                 if unit is not self.root:
                     unit.reshard()
                     unit.swap_out()
@@ -299,6 +309,8 @@ class FSDPEngine:
             if self.outer_reducer is not None:
                 self.outer_reducer.reduce([u.grad for u in self.units])
             self.install_grads()
+            if self.offload is not None and self.offload.overlap is not None:
+                self.offload.overlap.backward_done(self)  # overlap_step: the units that did not land yet
             if self.ctx.user_buffers is not None:  # every buffer of a step exists now: register once
                 self.ctx.user_buffers.register()
 
@@ -310,7 +322,8 @@ class FSDPEngine:
                                    "(report_nan_in_param_grad=True)")
         if self.offload is not None:
             for unit in self.units:
-                unit.grads_to_host()
+                if unit.offload is None or not unit.offload.landed:  # overlap_step: copied as they landed
+                    unit.grads_to_host()
             # Wait for the device-to-host copies before anything reads the host grads: a grad
             # whose dtype differs from its param's is installed as a cast copy, read right now.
             self.offload.after_grads_to_host()
@@ -351,7 +364,10 @@ class FSDPEngine:
                 if b is not None and b.is_allocated and b.data.numel()}
 
     def check_zero_grad(self, free: bool) -> None:
-        """Refuse ``zero_grad(set_to_none=True)`` in graph mode (before anything is reset)."""
+        """Refuse ``zero_grad(set_to_none=True)`` in graph mode, and ``zero_grad`` between an
+        ``overlap_step=True`` backward and its ``optimizer.step()`` (before anything is reset)."""
+        if self.offload is not None and self.offload.overlap is not None:
+            self.offload.overlap.before_zero_grad()
         if free and self.config.cuda_graph_mode:
             raise ValueError(
                 "zero_grad(set_to_none=True) is not allowed with cuda_graph_mode=True: it would drop the "

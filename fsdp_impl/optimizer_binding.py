@@ -13,15 +13,13 @@ from typing import Any
 import torch
 
 from .decoupled import clear_grads
+from .engine import ENGINE_REF_ATTR as ENGINE_REF_ATTR  # re-exported: where it was defined before
 from .engine import FSDPEngine
 from .graph_mode import USER_CLASS_ATTR, check_optimizer_capturable
 from .local_step import LocalShardStep, eligible_class
 from .offload.optim import check_offload_optimizer, offload_policy_of, offloaded_step, prepare_host_step
+from .offload.overlap import attach_overlap
 from .placement import local_tensor
-
-# Attribute on each sharded param: a weakref to its model's engine, so an optimizer built on
-# ``model.parameters()`` can find the engines whose buffers its ``zero_grad`` must reset.
-ENGINE_REF_ATTR = "_fsdp_engine_ref"
 
 
 def param_mapping(model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
@@ -150,6 +148,8 @@ def attach_engines(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine]) 
         for engine in engines:
             if all(engine is not e for e in optimizer._fsdp_engines):
                 optimizer._fsdp_engines.append(engine)
+        if policy is not None:
+            attach_overlap(optimizer, engines, policy)
         return optimizer
     cls = type(optimizer)
     mixin = _FSDPOptimizerMixin if policy is None else _FSDPOffloadOptimizerMixin
@@ -160,6 +160,7 @@ def attach_engines(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine]) 
     optimizer._fsdp_local_step = LocalShardStep() if policy is None and eligible_class(cls) else None
     if policy is not None:
         prepare_host_step(optimizer, policy)
+        attach_overlap(optimizer, engines, policy)
     return optimizer
 
 

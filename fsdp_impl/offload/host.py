@@ -16,6 +16,8 @@ What lives where (per rank, for its shards only):
 * ``step``: ``"cpu"`` runs the user's optimizer on the host tensors (FSDP2's ``CPUOffloadPolicy``);
   ``"gpu"`` streams the host state through a small device window in chunks and does the Adam math
   on the device (``step.py``).
+* ``overlap_step``: whether the step overlaps the backward (``overlap.py``): ``True`` steps each
+  unit as its reduced grads land, ``"clip"`` overlaps only the grads' copies and their norms.
 
 Host buffers are pinned (page-locked) with ``pin_memory=True``, so copies run asynchronously on
 side streams; without pinning they are synchronous copies. Pinned buffers hold exactly their bytes
@@ -42,10 +44,15 @@ from .step import WINDOW_SLOTS, window_capacity, window_too_large
 if TYPE_CHECKING:
     from ..param import ManagedParam
     from ..unit_context import UnitContext
+    from .overlap import OverlappedStep
 
 # Where the optimizer steps (``OffloadPolicy.step``): streamed through the device, or on the host
 StepMode = Literal["gpu", "cpu"]
 STEPS: tuple[StepMode, ...] = get_args(StepMode)
+# What overlaps the backward (``OffloadPolicy.overlap_step``): nothing, the whole step, or (for
+# ``clip_grad_norm``, which needs every grad before any step) the grads' copies and norms only
+OverlapMode = Literal[False, True, "clip"]
+OVERLAP_MODES: tuple[OverlapMode, ...] = (False, True, "clip")
 MIN_CHUNK_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
@@ -70,6 +77,14 @@ class OffloadPolicy:
       streams, and the window holds ``WINDOW_SLOTS`` chunks (fewer when the step has fewer). A
       window that cannot fit the device's free memory is refused at wrap time
       (``check_window``) and again, exactly, before the first step allocates it.
+    * ``overlap_step`` (False): overlap the optimizer step with the backward (``overlap.py``);
+      needs the grads in host memory and Adam/AdamW. ``True``: as each unit's reduced grads land
+      (the sync backward of an accumulation only), that unit steps in a worker thread
+      (``step="cpu"``: the host kernel; ``step="gpu"``: the unit's chunks through the window),
+      and ``optimizer.step()`` waits for it; ``clip_grad_norm`` after such a backward raises.
+      ``"clip"``: the grads' device-to-host copies and their partial norms overlap the backward,
+      ``clip_grad_norm`` uses those norms and ``optimizer.step()`` steps as without overlap.
+      Either way the numbers are those of ``overlap_step=False``, bit for bit.
     """
 
     optimizer_state: bool = True
@@ -79,6 +94,7 @@ class OffloadPolicy:
     step: StepMode = "gpu"
     pin_memory: bool = True
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    overlap_step: OverlapMode = False
 
     def __post_init__(self) -> None:
         for name in ("optimizer_state", "main_params", "params", "pin_memory"):
@@ -106,6 +122,12 @@ class OffloadPolicy:
         if self.params and not self.main_params:
             raise ValueError("OffloadPolicy.params=True gathers from the host main-parameter shards, so it "
                              "needs main_params=True")
+        if not (self.overlap_step is False or self.overlap_step is True or self.overlap_step == "clip"):
+            raise ValueError(f"OffloadPolicy.overlap_step must be one of {OVERLAP_MODES}, got {self.overlap_step!r}")
+        if self.overlap_step is not False and not self.grads_on_host:
+            raise ValueError(f"OffloadPolicy(overlap_step={self.overlap_step!r}) overlaps the step with the grads' "
+                             "copies to host memory, so the grads must be on the host: pass grads=True or None "
+                             "with main_params=True, or overlap_step=False")
         if not (self.optimizer_state or self.main_params or self.grads):
             raise ValueError("OffloadPolicy offloads nothing (optimizer_state, main_params and grads are all "
                              "off); pass offload_policy=None instead")
@@ -227,6 +249,7 @@ class UnitOffload:
         self.compute_shard: torch.Tensor | None = None  # params=False: the shard in the compute dtype
         self.shard_version = -1  # version() the compute shard was built from
         self.host_grad_fresh = True  # the host grads were zeroed or consumed since the last copy
+        self.landed = False  # overlap_step: this sync backward's grads were copied when they landed
         if grad is not None and policy.grads_on_host:
             self.host_grad = host_buffer(grad, policy.pin_memory)
             grad.free()
@@ -302,6 +325,7 @@ class ModelOffload:
     def __init__(self, policy: OffloadPolicy, device: torch.device) -> None:
         self.policy = policy
         self.device = device
+        self.overlap: OverlappedStep | None = None  # overlap_step: set when an optimizer is bound
 
     def after_grads_to_host(self) -> None:
         """The grads' device-to-host copies must be done before user code reads ``.grad`` on the

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype  # Adam's step-counter dtype (torch's own rule)
 
@@ -36,10 +37,16 @@ from ..placement import local_tensor
 from .host import OffloadPolicy
 from .step import GRAD, PARAM, STATE_KINDS, ChunkKind, StepStreams, StreamedStep, StreamEntry
 
+# How the optimizer's overlap controller is kept (``optimizer.__dict__``; overlap.py sets it)
+OVERLAP_ATTR = "_fsdp_offload_overlap"
+# A unit param's grad as the optimizer would read it (overlap: before the grads are installed)
+GradOf = Callable[["FSDPUnit", "ManagedParam"], torch.Tensor]
+
 if TYPE_CHECKING:
     from ..engine import FSDPEngine
     from ..param import ManagedParam
     from ..unit import FSDPUnit
+    from .overlap import OverlappedStep
 
 _RUNNER_ATTR = "_fsdp_offload_step"
 
@@ -58,11 +65,22 @@ def _is_fsdp_adam(cls: type) -> bool:
 
 
 def check_offload_optimizer(policy: OffloadPolicy | None, optimizer: torch.optim.Optimizer) -> None:
-    """``step="gpu"`` streams Adam/AdamW only: any other optimizer (or a subclass, whose own
-    ``step`` would be bypassed) is refused naming ``offload_policy`` and the class."""
-    if not isinstance(policy, OffloadPolicy) or policy.step != "gpu":
+    """``step="gpu"`` and ``overlap_step=True`` run Adam/AdamW only: any other optimizer (or a
+    subclass, whose own ``step`` would be bypassed) is refused naming ``offload_policy`` and the class."""
+    if not isinstance(policy, OffloadPolicy):
         return
     cls = user_class(optimizer)
+    if policy.overlap_step is True and not (_is_torch_adam(cls) or _is_fsdp_adam(cls)):
+        raise ValueError(f"offload_policy=OffloadPolicy(overlap_step=True) steps Adam/AdamW unit by unit "
+                         f"(fsdp_impl.optim.Adam/AdamW, torch.optim.Adam/AdamW), but the optimizer is "
+                         f"{cls.__module__}.{cls.__qualname__}; use overlap_step='clip' or False for other optimizers")
+    if policy.overlap_step is True:
+        for i, group in enumerate(optimizer.param_groups):
+            if group.get("differentiable", False):
+                raise ValueError(f"offload_policy=OffloadPolicy(overlap_step=True) cannot step a differentiable "
+                                 f"{cls.__name__} unit by unit (param group {i} has differentiable=True)")
+    if policy.step != "gpu":
+        return
     if not (_is_torch_adam(cls) or _is_fsdp_adam(cls)):
         raise ValueError(f"offload_policy=OffloadPolicy(step='gpu') streams the state of Adam/AdamW only "
                          f"(fsdp_impl.optim.Adam/AdamW, torch.optim.Adam/AdamW), but the optimizer is "
@@ -112,15 +130,45 @@ def offloaded_step(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine], 
     policy = offload_policy_of(engines)
     if policy is None:
         return own_step(*args, **kwargs)
+    overlap = overlap_of(optimizer)
+    if overlap is not None and overlap.pending_steps():  # overlap_step=True: the units stepped already
+        return _hooked_overlap_step(optimizer, *args, **kwargs)
+    if overlap is not None:
+        overlap.close()  # overlap_step="clip" (or nothing pending): the grads' copies and norms are done
     device = engines[0].ctx.device
     if policy.step == "cpu":
         synchronize(device)  # grads copied down, no copy still reading the host weights
         return own_step(*args, **kwargs)  # the bound optimizer's step tells the engines (note_optimizer_step)
+    runner_of(optimizer, engines, policy, device)
+    return _hooked_streamed_step(optimizer, *args, **kwargs)
+
+
+def runner_of(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine], policy: OffloadPolicy,
+              device: torch.device) -> OffloadedAdamStep:
+    """The streamed step of ``optimizer`` (``step="gpu"``), made at its first use or when models
+    were bound since."""
     runner = optimizer.__dict__.get(_RUNNER_ATTR)
-    if runner is None or runner.engines != engines:  # first step, or models were bound since
+    if runner is None or runner.engines != engines:
         runner = OffloadedAdamStep(optimizer, list(engines), policy, device)
         optimizer.__dict__[_RUNNER_ATTR] = runner
-    return _hooked_streamed_step(optimizer, *args, **kwargs)
+    return runner
+
+
+def overlap_of(optimizer: torch.optim.Optimizer) -> OverlappedStep | None:
+    """The overlap controller of ``optimizer`` (``OffloadPolicy.overlap_step``), or None."""
+    return optimizer.__dict__.get(OVERLAP_ATTR)
+
+
+def _overlap_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    """``overlap_step=True``: what is left of a step whose units stepped during the backward."""
+    overlap = overlap_of(optimizer)
+    assert overlap is not None
+    if closure is not None:
+        raise ValueError("optimizer.step(closure) cannot follow a backward with OffloadPolicy(overlap_step=True): "
+                         "the units already stepped on that backward's grads; run the closure's backward "
+                         "before step() or use overlap_step=False")
+    overlap.finish()
+    return None
 
 
 def _streamed_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
@@ -137,6 +185,7 @@ def _streamed_step(optimizer: torch.optim.Optimizer, closure: Callable[[], Any] 
 # torch's step wrapper: the optimizer's step pre/post hooks (and the global ones) and the profiler
 # label run around the streamed step exactly as around the optimizer's own step.
 _hooked_streamed_step = torch.optim.Optimizer.profile_hook_step(_streamed_step)
+_hooked_overlap_step = torch.optim.Optimizer.profile_hook_step(_overlap_step)
 
 
 def mark_weights_changed(engines: list[FSDPEngine]) -> None:
@@ -169,8 +218,10 @@ class OffloadedAdamStep:
                                  streams or StepStreams.for_device(device))
 
     # ---------------------------------------------------------------------- step
-    def step(self) -> None:
-        entries, units = self._entries()
+    def step(self, only: list[FSDPUnit] | None = None, grad_of: GradOf | None = None) -> None:
+        """One streamed step: of every param with a grad, or (``overlap_step``) of the params of
+        the units ``only``, their grads read with ``grad_of``, the weights marked changed per unit."""
+        entries, units = self._entries(only, grad_of)
         fresh = [u for u in units if u.offload is not None and u.offload.shard_is_fresh()]
         for entry in entries:  # only fresh compute shards are kept fresh; stale ones refresh at the gather
             unit = entry.extra["unit"]
@@ -182,22 +233,31 @@ class OffloadedAdamStep:
         with torch.no_grad():
             for entry in entries:
                 entry.extra["step"].add_(1)
-        mark_weights_changed(self.engines)
+        if only is None:
+            mark_weights_changed(self.engines)
+        else:
+            for unit in units:
+                increment_version(unit.weight.data)  # what note_optimizer_step does, for this unit
         for unit in fresh:
             assert unit.offload is not None
             unit.offload.mark_shard_fresh()
 
-    def _entries(self) -> tuple[list[StreamEntry], list[FSDPUnit]]:
-        """One entry per param with a grad, in param-group order, its state created and adopted."""
+    def _entries(self, only: list[FSDPUnit] | None = None, grad_of: GradOf | None = None
+                 ) -> tuple[list[StreamEntry], list[FSDPUnit]]:
+        """One entry per param with a grad (of the units ``only``, if given), in param-group
+        order, its state created and adopted."""
         entries: list[StreamEntry] = []
         units: list[FSDPUnit] = []
         decoupled = bool(getattr(self.optimizer, "use_decoupled_grad", False))
         for gi, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
-                grad = read_grad(p, decoupled)
+                owner = self.owner.get(id(p))
+                if only is not None and (owner is None or all(owner[0] is not u for u in only)):
+                    continue
+                grad = read_grad(p, decoupled) if grad_of is None or owner is None else grad_of(*owner)
                 if grad is None:
                     continue
-                if id(p) not in self.owner:
+                if owner is None:
                     raise ValueError("offload_policy: the optimizer holds a parameter that is not a trainable "
                                      "parameter of an offloaded model")
                 if torch.is_complex(p) or grad.is_sparse:
@@ -297,26 +357,80 @@ class OffloadedAdamStep:
 
     # ------------------------------------------------------------------- kernels
     def _torch_kernel(self, gi: int, items: list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]]) -> None:
-        """``torch.optim.adam.adam`` with the group's flags, as ``torch.optim.Adam.step`` calls it."""
-        group = self.optimizer.param_groups[gi]
-        beta1, beta2 = group["betas"]
-        amsgrad = group["amsgrad"]
-        fn = _torch_adam_fn(bool(group.get("decoupled_weight_decay", issubclass(self.cls, torch.optim.AdamW))))
-        fn([v[PARAM] for _, v in items], [v[GRAD] for _, v in items], [v["exp_avg"] for _, v in items],
-           [v["exp_avg_sq"] for _, v in items], [v["max_exp_avg_sq"] for _, v in items] if amsgrad else [],
-           [_step_copy(e) for e, _ in items], amsgrad=amsgrad, has_complex=False, beta1=beta1, beta2=beta2,
-           lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-           foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
-           fused=group["fused"], grad_scale=getattr(self.optimizer, "grad_scale", None),
-           found_inf=getattr(self.optimizer, "found_inf", None))
+        torch_kernel(self.optimizer, self.cls, gi, items)
 
     def _fsdp_kernel(self, gi: int, items: list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]]) -> None:
-        """``fsdp_impl.optim.Adam.step``'s path choice (fused / foreach / single) on the views."""
-        group = self.optimizer.param_groups[gi]
-        batch = [AdamTensors(param=v[PARAM], grad=v[GRAD], exp_avg=v["exp_avg"], exp_avg_sq=v["exp_avg_sq"],
-                             max_exp_avg_sq=v.get("max_exp_avg_sq") if group["amsgrad"] else None,
-                             step=_step_copy(e)) for e, v in items]
-        step_group(group, batch)
+        fsdp_kernel(self.optimizer, gi, items)
+
+
+def torch_kernel(optimizer: torch.optim.Optimizer, cls: type, gi: int,
+                 items: list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]]) -> None:
+    """``torch.optim.adam.adam`` with the group's flags, as ``torch.optim.Adam.step`` calls it."""
+    group = optimizer.param_groups[gi]
+    beta1, beta2 = group["betas"]
+    amsgrad = group["amsgrad"]
+    fn = _torch_adam_fn(bool(group.get("decoupled_weight_decay", issubclass(cls, torch.optim.AdamW))))
+    fn([v[PARAM] for _, v in items], [v[GRAD] for _, v in items], [v["exp_avg"] for _, v in items],
+       [v["exp_avg_sq"] for _, v in items], [v["max_exp_avg_sq"] for _, v in items] if amsgrad else [],
+       [_step_copy(e) for e, _ in items], amsgrad=amsgrad, has_complex=False, beta1=beta1, beta2=beta2,
+       lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+       foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+       fused=group["fused"], grad_scale=getattr(optimizer, "grad_scale", None),
+       found_inf=getattr(optimizer, "found_inf", None))
+
+
+def fsdp_kernel(optimizer: torch.optim.Optimizer, gi: int,
+                items: list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]]) -> None:
+    """``fsdp_impl.optim.Adam.step``'s path choice (fused / foreach / single) on the views."""
+    group = optimizer.param_groups[gi]
+    batch = [AdamTensors(param=v[PARAM], grad=v[GRAD], exp_avg=v["exp_avg"], exp_avg_sq=v["exp_avg_sq"],
+                         max_exp_avg_sq=v.get("max_exp_avg_sq") if group["amsgrad"] else None,
+                         step=_step_copy(e)) for e, v in items]
+    step_group(group, batch)
+
+
+def host_step_units(optimizer: torch.optim.Optimizer, units: list[FSDPUnit], grad_of: GradOf) -> None:
+    """``step="cpu"`` with ``overlap_step``: the optimizer's update of the params of ``units``
+    on their host tensors, each param group's params in one kernel call, the lazy state made as
+    the optimizer's own step makes it. Adam is elementwise per param (each has its own step
+    counter), so stepping the params unit by unit gives the numbers of one step over all."""
+    cls = user_class(optimizer)
+    owned = {id(mp.sharded): (unit, mp) for unit in units for mp in unit.trainable}
+    for gi, group in enumerate(optimizer.param_groups):
+        items: list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]] = []
+        for p in group["params"]:
+            if id(p) not in owned:
+                continue
+            unit, mp = owned[id(p)]
+            state = optimizer.state[p]
+            if len(state) == 0:
+                _init_host_state(optimizer, cls, group, p)
+            views: dict[ChunkKind, torch.Tensor] = {PARAM: local_tensor(p)}
+            views[GRAD] = grad_of(unit, mp).view(views[PARAM].shape)
+            for key in STATE_KINDS:
+                if key in state:
+                    views[key] = local_tensor(state[key])
+            items.append((StreamEntry(gi, views, None, {"step": state["step"], "staged": state["step"]}), views))
+        if items:
+            (torch_kernel(optimizer, cls, gi, items) if _is_torch_adam(cls) else fsdp_kernel(optimizer, gi, items))
+            for entry, _ in items:
+                entry.extra["step"].add_(1)
+    for unit in units:
+        increment_version(unit.weight.data)  # what note_optimizer_step does, for this unit
+
+
+def _init_host_state(optimizer: torch.optim.Optimizer, cls: type, group: dict[str, Any], p: torch.Tensor) -> None:
+    """The state the optimizer's own lazy init makes for ``p`` (torch's ``Adam._init_group``,
+    ``fsdp_impl.optim.Adam._init_state``): same keys, dtypes, devices and DTensor moments."""
+    if _is_fsdp_adam(cls):
+        optimizer._init_state(p, group)  # type: ignore[attr-defined]
+        return
+    state = optimizer.state[p]
+    fused, capturable = bool(group["fused"]), bool(group["capturable"])
+    state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
+                     if capturable or fused else torch.tensor(0.0, dtype=_get_scalar_dtype(), device=host_device()))
+    for key in STATE_KINDS if group["amsgrad"] else STATE_KINDS[:2]:
+        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def _device_step(group: dict[str, Any]) -> bool:
@@ -342,4 +456,5 @@ def _torch_adam_fn(decoupled: bool) -> Callable[..., None]:
     return adam  # pragma: no cover - older torch
 
 
-__all__ = ["OffloadedAdamStep", "check_offload_optimizer", "offloaded_step", "prepare_host_step"]
+__all__ = ["OffloadedAdamStep", "check_offload_optimizer", "host_step_units", "offloaded_step", "prepare_host_step",
+           "runner_of"]

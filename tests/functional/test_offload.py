@@ -89,11 +89,14 @@ def test_offload_matches_no_offload(case: str, strategy: int, dist_env) -> None:
         losses, final, model, opt = train("gpt", device, dict(zero_dp_strategy=strategy,
                                                               offload_policy=policy(case, device)))
     _compare(case, losses, ref_losses, final, ref_final, f"{case}, ZeRO-{strategy}")
-    if case in SAME_MATH:
-        assert _streamed_chunks(opt) > 3, "the tiny chunk_bytes must cut the step into several chunks"
+    if case in SAME_MATH:  # (overlapped: the last plan is one unit's)
+        assert _streamed_chunks(opt) > (0 if "overlap" in case else 3), "the tiny chunk_bytes must cut the step"
+    if "overlap" in case:
+        times = opt.__dict__["_fsdp_offload_overlap"].last_times
+        assert times.landed > 0 and times.landed + times.at_end == len(model._fsdp_engine.units)
     unit = model._fsdp_engine.units[0]
-    fused_host_step = case == "cpu" and all(g["fused"] for g in opt.param_groups)
-    assert case != "cpu" or fused_host_step, "step='cpu' runs torch's fused CPU Adam"
+    fused_host_step = case.startswith("cpu") and all(g["fused"] for g in opt.param_groups)
+    assert not case.startswith("cpu") or fused_host_step, "step='cpu' runs torch's fused CPU Adam"
     if OFFLOAD_CASES[case].get("main_params", True):
         assert unit.weight is not unit.group.main_grad_buffer and unit.offload is not None
         assert unit.offload.compute_shard is None or unit.offload.compute_shard.dtype == torch.float32
@@ -243,7 +246,13 @@ def test_host_grads_keep_zero_grad_and_accumulation_semantics(dist_env) -> None:
 
 
 # ---------------------------------------------------------------------------- checkpoints
-ROUND_TRIPS = [(None, "gpu"), ("gpu", None), ("gpu", "gpu_host_all"), ("cpu", "cpu"), ("gpu_state_only", "cpu")]
+ROUND_TRIPS = [(None, "gpu"), ("gpu", None), ("gpu", "gpu_host_all"), ("cpu", "cpu"), ("gpu_state_only", "cpu"),
+               ("cpu", "cpu_overlap"), ("gpu_overlap", "gpu")]
+
+
+def _host_step(offload: str | None) -> bool:
+    """Whether the case steps with torch's fused host Adam (step='cpu', overlapped or not)."""
+    return offload is not None and offload.startswith("cpu")
 
 
 def _name(offload: str | None) -> str:
@@ -269,7 +278,7 @@ def test_checkpoint_round_trip(saved: str | None, loaded: str | None, dist_env, 
         checkpoint.load(root / "ckpt", model, opt)
         assert_same_state(full_state(model, opt), record["at_save"], None, "right after load")
         losses = [train_step(model, opt, case.model, s, device) for s in range(K_SAVE, N_STEPS)]
-    exact = (saved == "cpu") == (loaded == "cpu")
+    exact = _host_step(saved) == _host_step(loaded)
     if exact:
         assert losses == record["losses"][K_SAVE:]
         assert_same_state(full_state(model, opt), record["final"], None, "after resumed training")

@@ -378,6 +378,25 @@ def offload_step_skips_a_d2h() -> None:
     replace("fsdp_impl.offload.step:StreamedStep._copy", make)
 
 
+def offload_overlap_steps_on_stale_grads() -> None:
+    """``OffloadPolicy(overlap_step=...)``: a unit's task starts as its grads land, but its
+    reduced grads are never copied into host memory first, so the unit steps (or, with "clip",
+    is normed) on the host grads the previous step left (zeros at the first step), and so does
+    ``.grad``: the step runs before the unit's grads have landed where it reads them."""
+    def make(original: Any) -> Any:
+        def unit_landed(self: Any, engine: Any, unit: Any) -> None:
+            offload = unit.offload
+            if offload is None:
+                return original(self, engine, unit)
+            offload.grads_to_host = lambda grad: offload.host_grad  # the copy is skipped
+            try:
+                original(self, engine, unit)
+            finally:
+                del offload.grads_to_host
+        return unit_landed
+    replace("fsdp_impl.offload.overlap:OverlappedStep.unit_landed", make)
+
+
 # ------------------------------------------------------------------------------------- harness
 def harness_rank0_outcome_only() -> None:
     """The harness reports a distributed test by rank 0's outcome alone: a failure on another
@@ -478,6 +497,10 @@ MUTANTS = (
     Mutant("offload_step_skips_a_d2h", "the streamed offload step loses one chunk's update on the host",
            (F + "test_offload.py", "-k", "test_offload_matches_no_offload and gpu-zero3"),
            numerics="OffloadPolicy(step='gpu'), every step"),
+    Mutant("offload_overlap_steps_on_stale_grads",
+           "an overlapped offload step (or its clip norm) reads a unit's host grads before its reduced grads land",
+           (F + "test_offload_overlap.py", "-k", "test_overlapped_step_equals_the_step_after and cpu-zero3"),
+           numerics="OffloadPolicy(overlap_step=True or 'clip'), every step"),
     Mutant("harness_rank0_outcome_only", "the harness aggregates only rank 0's outcome",
            ("tests/unit/reports/test_signoff_harness_contract.py",)),
 )

@@ -28,7 +28,9 @@ overwrite it); ``zero1_fused_adamw`` steps with torch's fused AdamW and weight d
 kernel bumps no version counter: the engine must still learn that the weights changed);
 ``zero3_offload`` keeps optimizer state and main params in host memory and streams the step in
 small chunks (``OffloadPolicy(step="gpu")``, on a CPU mesh through ``fsdp_impl._testing.STREAMED_STEP_ON_CPU``:
-every chunk's update must reach the host).
+every chunk's update must reach the host); ``zero3_offload_overlap`` is the same run with
+``overlap_step="clip"`` (grads copied and normed as each unit's reduction lands, during the
+backward): the same numbers bit for bit, so its file equals ``zero3_offload``'s.
 """
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ class Cell:
     meta_init: bool = False  # build on the meta device, materialised shard by shard (model "gpt")
     hand_grad: bool = False  # zero_grad(set_to_none=False), then a gradient added into .grad by hand
     offload: str | None = None  # OffloadPolicy(step=...): optimizer state and main params in host memory
+    overlap: bool | str = False  # OffloadPolicy(overlap_step=...) (the cells clip: "clip")
     keep_transpose: bool = False  # keep_fp8_transpose_cache=True (model "fp8" / "te")
     # every third step, between the backward and the optimizer step, one more forward whose loss
     # never runs a backward (at one rank with kept FP8 transposes it leaves its units gathered)
@@ -108,6 +111,7 @@ CELLS = (
     Cell("zero3_hand_grad", 2, hand_grad=True),
     Cell("zero1_fused_adamw", 2, zero=1, optimizer="adamw_fused"),
     Cell("zero3_offload", 2, offload="gpu"),
+    Cell("zero3_offload_overlap", 2, offload="gpu", overlap="clip"),
     Cell("fp8_current", 2, model="fp8", recipe="current"),
     Cell("fp8_delayed", 2, model="fp8", recipe="delayed"),
     Cell("fp8_blockwise", 2, model="fp8", recipe="blockwise"),
@@ -268,7 +272,8 @@ def start_cell(cell: Cell, device: torch.device, lr_scale: float = 1.0) -> CellR
         kwargs["keep_fp8_transpose_cache"] = True
     if cell.offload is not None:
         kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step=cell.offload, chunk_bytes=OFFLOAD_CHUNK_BYTES,
-                                                           pin_memory=device.type == "cuda")
+                                                           pin_memory=device.type == "cuda",
+                                                           overlap_step=cell.overlap)
     slot, slots = dist.get_rank(), dist.get_world_size()
     if cell.mesh is not None:
         mesh = seed_mesh(cell.mesh, device.type)

@@ -31,9 +31,12 @@ OFFLOAD_CASES: dict[str, dict[str, Any]] = {
     "gpu_host_all": dict(step="gpu", params=True, grads=True, chunk_bytes=4096),  # nothing stays on the device
     "gpu_state_only": dict(step="gpu", main_params=False, chunk_bytes=4096),  # only the optimizer state
     "cpu": dict(step="cpu"),  # FSDP2's CPUOffloadPolicy: the optimizer steps on the host
+    # overlap_step=True: each unit steps as its reduced grads land (test_offload_overlap.py)
+    "gpu_overlap": dict(step="gpu", chunk_bytes=4096, overlap_step=True),
+    "cpu_overlap": dict(step="cpu", overlap_step=True),
 }
 # Cases whose update runs the non-offloaded optimizer's own math (bit-identical to no offload).
-SAME_MATH = ("gpu", "gpu_host_all", "gpu_state_only")
+SAME_MATH = ("gpu", "gpu_host_all", "gpu_state_only", "gpu_overlap")
 # step="cpu" switches torch's Adam to its fused CPU kernel (the non-offloaded CPU step is the
 # single-tensor loop): the same formula in another operation order, so the update differs in the
 # last bit of some elements and the runs drift apart by rounding only. Measured on CPU (gloo,

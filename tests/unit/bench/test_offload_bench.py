@@ -34,20 +34,53 @@ def test_table_bounds_each_offloaded_step_by_its_bytes_over_the_bandwidth() -> N
     lines = table.splitlines()
     # ours-gpu moves 16 bytes per parameter each way (main params, moments, grads): 16e9 B / 50 GB/s = 320 ms
     assert lines[2].startswith("| ours-gpu | 7b | 1000 |  | 900 | 300 | 600 | 15.20 | 2.40 | 104.3 |")  # no anchor row
-    assert lines[2].endswith("| 320 |")
-    assert lines[3].endswith("| 10.400/10.100 |  |")  # no offload: no bound
+    assert lines[2].endswith("| 320 |  |")  # the last column: not an overlapped cell
+    assert lines[3].endswith("| 10.400/10.100 |  |  |")  # no offload: no bound
     assert lines[4].startswith("| fsdp2 | 7b | OOM |")
-    assert lines[5].endswith("| 200 |")  # the lean cell: 10 bytes per parameter each way
+    assert lines[5].endswith("| 200 |  |")  # the lean cell: 10 bytes per parameter each way
 
 
 def test_a_cell_runs_in_its_own_process_and_a_failure_is_a_row() -> None:
+    """``--size tiny`` runs on the CPU too (gloo); a cell the machine cannot run (the streamed
+    step without CUDA) is a row with its error, and the driver goes on."""
     args = argparse.Namespace(size="tiny", micro_batch=1, warmup=1, steps=1, timeout=300)
-    row = offload_bench._spawn("ours", "tiny", args)
-    if torch.cuda.is_available():
-        assert row["status"] == "ok" and row["params"] == offload_bench.num_params_of(offload_bench.SIZES["tiny"])
-    else:  # the cell needs CUDA: its process fails, and the driver reports it instead of stopping
-        assert row["status"] == "error" and row["cell"] == "ours", row
+    row = offload_bench._spawn("ours-cpu-overlap", "tiny", args)
+    assert row["status"] == "ok" and row["params"] == offload_bench.num_params_of(offload_bench.SIZES["tiny"]), row
+    assert 0.0 <= row["overlap_share"] <= 1.0 and row["overlap_total_ms"] > 0, row
+    if not torch.cuda.is_available():
+        row = offload_bench._spawn("ours-gpu", "tiny", args)
+        assert row["status"] == "error" and row["cell"] == "ours-gpu", row
         assert "cuda" in row["detail"].lower(), row
+
+
+def test_overlap_cells_their_policy_bytes_and_hidden_share() -> None:
+    """The -overlap/-clip suffixes pick overlap_step and move the bytes of their base cell; the
+    hidden share is the overlapped host time before the backward ended over all of it."""
+    assert [offload_bench.overlap_mode(c) for c in ("ours-cpu", "ours-cpu-clip", "ours-gpu-overlap",
+                                                    "ours-gpu-overlap-clip")] == [False, False, True, "clip"]
+    assert offload_bench.base_cell("ours-gpu-overlap-clip") == "ours-gpu"
+    assert offload_bench.offload_bytes("ours-cpu-overlap", 10) == offload_bench.offload_bytes("ours-cpu", 10)
+    assert offload_bench.offload_bytes("ours-cpu", 10) == (40, 40)
+    busy = [(0.0, 0.004), (0.004, 0.010), (0.012, 0.014)]  # seconds; the backward ended at 8 ms
+    hidden, total = offload_bench.overlap_share(busy, 0.008)
+    assert hidden == pytest.approx(8.0) and total == pytest.approx(12.0)
+    assert offload_bench.overlap_share([], 1.0) == (0.0, 0.0)
+
+
+def test_clip_cells_are_put_against_the_anchor_clipping_too() -> None:
+    ok = {"status": "ok", "size": "1.3b", "params": 10, "step_ms": 1.0, "fwd_bwd_ms": 1.0, "opt_ms": 0.0,
+          "peak_gib": 1.0, "rest_gib": 0.5, "loss_first": 1.0, "loss_last": 0.5}
+    rows = [{**ok, "cell": "fsdp2-offload-fused", "tokens_per_s": 100.0},
+            {**ok, "cell": "fsdp2-offload-fused-clip", "tokens_per_s": 80.0},
+            {**ok, "cell": "ours-cpu-overlap-clip", "tokens_per_s": 120.0, "overlap_share": 0.756,
+             "overlap_total_ms": 41.2, "overlap_hidden_ms": 31.1},
+            {**ok, "cell": "ours-cpu-overlap", "tokens_per_s": 150.0}]
+    lines = offload_bench._table(rows, None).splitlines()
+    assert lines[4].startswith("| ours-cpu-overlap-clip | 1.3b | 120 | 1.50x c |")  # 120 / 80, the clipping anchor
+    assert lines[4].endswith("| 41 (76 %) |")
+    assert lines[5].startswith("| ours-cpu-overlap | 1.3b | 150 | 1.50x |")  # 150 / 100
+    no_clip_anchor = offload_bench._table([rows[0], rows[2]], None).splitlines()
+    assert no_clip_anchor[3].startswith("| ours-cpu-overlap-clip | 1.3b | 120 | 1.20x |")  # falls back to the anchor
 
 
 def test_a_size_sweep_steps_each_cell_up_until_it_does_not_train(capsys: pytest.CaptureFixture) -> None:

@@ -1,0 +1,89 @@
+"""``OffloadPolicy(overlap_step=...)`` pieces without a process group: the field's validation, the
+optimizer check, the worker thread (order, error re-raise, no thread left) and the overlap share.
+The overlapped training itself is checked on gloo in ``tests/functional/test_offload_overlap.py``."""
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fsdp_impl.offload.host import OffloadPolicy
+from fsdp_impl.offload.optim import check_offload_optimizer
+from fsdp_impl.offload.overlap import OverlapTimes, StepWorker
+
+
+def _workers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "fsdp-offload-step"]
+
+
+@pytest.mark.parametrize("value", [False, True, "clip"])
+def test_overlap_step_accepts_its_values(value: object) -> None:
+    assert OffloadPolicy(step="cpu", pin_memory=False, overlap_step=value).overlap_step == value  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["yes", "Clip", 1, 0, None, 1.0])
+def test_overlap_step_names_its_allowed_values(value: object) -> None:
+    with pytest.raises(ValueError, match=r"^OffloadPolicy\.overlap_step must be one of \(False, True, 'clip'\), got "):
+        OffloadPolicy(overlap_step=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [True, "clip"])
+def test_overlap_needs_host_grads(value: object) -> None:
+    with pytest.raises(ValueError, match=r"overlap_step=.*grads must be on the host"):
+        OffloadPolicy(main_params=False, overlap_step=value)  # type: ignore[arg-type]
+    assert OffloadPolicy(main_params=False, grads=True, overlap_step=value).grads_on_host  # type: ignore[arg-type]
+
+
+def test_overlapped_steps_need_adam_but_clip_mode_takes_any_optimizer() -> None:
+    params = list(nn.Linear(2, 2).parameters())
+    with pytest.raises(ValueError, match=r"OffloadPolicy\(overlap_step=True\) steps Adam/AdamW unit by unit.*SGD"):
+        check_offload_optimizer(OffloadPolicy(step="cpu", pin_memory=False, overlap_step=True),
+                                torch.optim.SGD(params, lr=0.1))
+    check_offload_optimizer(OffloadPolicy(step="cpu", pin_memory=False, overlap_step="clip"),
+                            torch.optim.SGD(params, lr=0.1))
+    check_offload_optimizer(OffloadPolicy(step="cpu", pin_memory=False, overlap_step=True),
+                            torch.optim.AdamW(params, lr=0.1))
+
+
+def test_worker_runs_tasks_in_order_and_leaves_no_thread() -> None:
+    seen: list[int] = []
+    worker = StepWorker()
+    for i in range(20):
+        worker.submit(lambda i=i: seen.append(i))
+    worker.join()
+    worker.join()  # again: nothing more to wait for
+    assert seen == list(range(20))
+    assert not worker.alive and not _workers()
+
+
+def test_worker_error_is_reraised_and_later_tasks_are_skipped() -> None:
+    seen: list[str] = []
+    worker = StepWorker()
+    worker.submit(lambda: seen.append("a"))
+    worker.submit(lambda: (_ for _ in ()).throw(ZeroDivisionError("task two")))
+    worker.submit(lambda: seen.append("c"))
+    with pytest.raises(ZeroDivisionError, match="task two"):
+        worker.join()
+    assert seen == ["a"] and not worker.alive
+
+
+def test_a_dropped_worker_ends_its_thread() -> None:
+    started = threading.Event()
+    worker = StepWorker()
+    worker.submit(started.set)
+    assert started.wait(10)
+    thread = worker._thread
+    del worker
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_hidden_share_is_the_busy_time_before_the_end_of_the_backward() -> None:
+    times = OverlapTimes(busy=[(0.0, 1.0), (1.0, 3.0), (4.0, 5.0)], backward_end=2.0)
+    assert times.hidden_share() == pytest.approx(2.0 / 4.0)
+    assert OverlapTimes(busy=[(0.0, 1.0)]).hidden_share() is None  # the backward never ended
+    assert OverlapTimes(backward_end=1.0).hidden_share() is None  # nothing ran
