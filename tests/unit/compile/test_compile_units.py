@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 import fsdp_impl
 from fsdp_impl._testing import GRAPH_MODE_ON_CPU
-from fsdp_impl.compile_units import CompileStats
 from fsdp_impl.cuda_graph import capture_train_step
 from fsdp_impl.module import FullyShardedModule
 from tests.functional.common import fp8_training as fp8
@@ -35,28 +34,10 @@ from tests.functional.common.graph_training import (
     make_step_fn,
     wrap,
 )
+from tests.unit.compile.compile_checks import AOT, CPU, STEPS, assert_compiled
 
 pytestmark = pytest.mark.distributed(world_size=2, timeout=600)
 
-CPU = torch.device("cpu")
-AOT = {"backend": "aot_eager"}
-STEPS = 3
-
-
-def assert_compiled(stats: CompileStats, units: int, breaks: int = 0, exact: bool = True) -> None:
-    """Every unit ran, and every forward call of it ran ``breaks + 1`` compiled graphs (one per
-    piece between graph breaks); ``breaks`` graph breaks were recorded in all (same-class units
-    share one trace). compiled_calls == 0 is what a silent eager fallback looks like."""
-    assert len(stats.units) == units, stats
-    for name, unit in stats.units.items():
-        assert unit.calls > 0, f"unit {name!r} never ran: {unit}"
-        if exact:
-            assert unit.compiled_calls == unit.calls * (breaks + 1), f"unit {name!r}: {unit}"
-        else:  # breaks inside nested frames: graphs per call vary with the frame
-            assert unit.compiled_calls >= unit.calls, f"unit {name!r}: {unit}"
-        assert unit.checked, unit
-    assert stats.graph_breaks == breaks, [u.break_reasons for u in stats.units.values()]
-    assert stats.graphs_compiled >= breaks + 1, stats
 
 
 def run_pair(case: GraphCase, graph_mode: bool = False, compile_units: dict | bool = True, **kwargs):

@@ -25,7 +25,7 @@ from tests.functional.common.graph_training import (
     eager_steps,
     full_params,
 )
-from tests.unit.compile.test_compile_units import AOT, CPU, STEPS, assert_compiled
+from tests.unit.compile.compile_checks import AOT, CPU, STEPS, assert_compiled
 
 pytestmark = pytest.mark.distributed(world_size=2, timeout=600)
 
