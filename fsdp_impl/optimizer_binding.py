@@ -18,6 +18,7 @@ from .graph_mode import USER_CLASS_ATTR, check_optimizer_capturable
 from .local_step import LocalShardStep, eligible_class
 from .offload.optim import check_offload_optimizer, offload_policy_of, offloaded_step, prepare_host_step
 from .placement import local_tensor
+from .traceable import traceable_zero_grad
 
 # Attribute on each sharded param: a weakref to its model's engine, so an optimizer built on
 # ``model.parameters()`` can find the engines whose buffers its ``zero_grad`` must reset.
@@ -116,7 +117,7 @@ class _FSDPOptimizerMixin(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if _traceable(self._fsdp_engines):  # grads are the params' own tensors, no buffer views
-            super().zero_grad(set_to_none=set_to_none)
+            traceable_zero_grad([p for g in self.param_groups for p in g["params"]], set_to_none)
             return
         zero_grads_and_buffers(self._fsdp_engines, [p for g in self.param_groups for p in g["params"]],
                                set_to_none, super().zero_grad)

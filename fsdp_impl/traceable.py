@@ -137,6 +137,20 @@ def traceable_forward(model: FullyShardedModule, state: TraceableState, args: tu
     return functional_call(model.module, params, args, kwargs, tie_weights=True, strict=False)
 
 
+def traceable_zero_grad(params: list[torch.Tensor], set_to_none: bool) -> None:
+    """``zero_grad`` of an optimizer bound to models in traceable mode. Not torch's
+    ``Optimizer.zero_grad``: Dynamo skips that function (``torch._disable_dynamo``), so a step
+    calling it could not be one graph. The grads here are plain ``.grad`` DTensors that autograd
+    made (no graph of their own), so dropping or zeroing them is all there is to do."""
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad.zero_()
+
+
 def check_traceable(engine: FSDPEngine) -> None:
     """Refuse what traceable mode does not implement, naming the switch and what is allowed."""
     config = engine.config
