@@ -81,7 +81,7 @@ class CompiledTrainStep:
         self.models = list(models)
         self._backward = backward
         self.stats = StepCompileStats()
-        self._config = {"trace_autograd_ops": True}
+        self._config: dict[str, Any] = {"trace_autograd_ops": True}
         if exact_numerics:
             self._config["enable_dynamo_decompositions"] = False
         self._backend = _CountingBackend(backend, mode, options, dynamic, self.stats)
@@ -93,7 +93,7 @@ class CompiledTrainStep:
                 raise RuntimeError("compile_train_step: a model left traceable mode; call "
                                    "model.set_traceable(True) again before the compiled step")
         before = self.stats.compiled_calls
-        with torch._dynamo.config.patch(**self._config):
+        with torch._dynamo.config.patch(self._config):
             out = self._compiled(*args, **kwargs)
         self.stats.calls += 1
         ran = self.stats.compiled_calls - before

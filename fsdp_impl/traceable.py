@@ -30,10 +30,11 @@ the wrapper's forward and in the bound optimizer's ``step`` / ``zero_grad``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from .hooks import register_hooks
@@ -103,7 +104,7 @@ def _segment(plan: _UnitPlan) -> torch.Tensor:
     grads reach those params): each shard's rows, zero-padded to the slot's width."""
     pieces = []
     for p, width in zip(plan.params, plan.padded, strict=True):
-        local = p.sharded.to_local().reshape(-1)
+        local = cast(DTensor, p.sharded).to_local().reshape(-1)  # every managed param's shard is a DTensor
         if local.numel() < width:
             local = torch.nn.functional.pad(local, (0, width - local.numel()))
         pieces.append(local)
