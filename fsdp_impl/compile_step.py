@@ -16,8 +16,9 @@ tensor whose graph its traced backward consumed.
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +36,9 @@ class StepCompileStats:
     compiled_calls: int = 0
     graphs_compiled: int = 0
     last_call_had_backward: bool = False  # the graph the last call ran holds a traced backward
+    # functional collectives in the last graph built, by op name (its subgraphs included: a unit's
+    # gather is an autograd function whose forward and backward Dynamo keeps as subgraphs)
+    collectives: dict[str, int] = field(default_factory=dict)
 
 
 class _CountingBackend:
@@ -53,6 +57,7 @@ class _CountingBackend:
         self.stats.graphs_compiled += 1
         stats = self.stats
         backward = any(n.op == "call_function" and n.target is torch.autograd.grad for n in gm.graph.nodes)
+        self.stats.collectives = functional_collectives(gm)
 
         def run(*args: Any) -> Any:
             stats.compiled_calls += 1
@@ -61,6 +66,20 @@ class _CountingBackend:
 
         run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
         return run
+
+
+def functional_collectives(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """How many of each ``_c10d_functional`` op the graph and its subgraphs call."""
+    found: Counter[str] = Counter()
+    for module in gm.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            name = str(node.target)
+            if node.op == "call_function" and "_c10d_functional." in name:
+                found[name.split("_c10d_functional.")[1].split(".")[0]] += 1
+    return dict(found)
 
 
 def backward_traceable() -> bool:

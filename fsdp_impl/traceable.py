@@ -193,7 +193,9 @@ def _unit_modules(model: FullyShardedModule) -> list[nn.Module]:
 def set_traceable(model: FullyShardedModule, on: bool) -> None:
     """Enter (``on``) or leave traceable mode. Entering removes every engine hook and checks the
     configuration; leaving registers the hooks again and marks every unit's compute params stale,
-    so the next eager forward rebuilds them from the (possibly updated) main weights."""
+    so the next eager forward rebuilds them from the (possibly updated) main weights. (The steps
+    run in the mode write the params in place, which moves the version counters the ZeRO-1/2
+    refresh reads anyway; the mark does not depend on how a backend writes them back.)"""
     engine = model._fsdp_engine
     if on == (engine.traceable is not None):
         return
