@@ -17,7 +17,7 @@ tensor code that Dynamo can follow:
 * the module runs under ``torch.func.functional_call`` with the gathered params; the engine's
   hooks are removed for the mode (they would run their eager state machine);
 * the bound optimizer steps the DTensor params as they are (no local-shard swap, no engine
-  version bump) and ``zero_grad`` is the optimizer's own.
+  version bump) and its ``zero_grad`` drops or zeroes the ``.grad`` tensors (``traceable_zero_grad``).
 
 The same code runs eagerly, which is how the tests compare it with the engine step for step.
 What it does not do (documented in fsdp_impl/README.md, "Whole-step compile: status"): free a
@@ -67,7 +67,6 @@ class _UnitPlan:
         self.group_name: str = ctx.group.group_name
         self.world = ctx.num_shards
         self.compute = unit.dtypes.compute
-        self.comm = engine.comm_dtype(unit)
         scaling = ctx.grad_scaling
         self.pre_scale = scaling.pre_scale if scaling.pre_scale not in (None, 1.0) else None
         self.op = "avg" if scaling.average else "sum"
@@ -129,10 +128,12 @@ def traceable_forward(model: FullyShardedModule, state: TraceableState, args: tu
                       kwargs: dict[str, Any]) -> Any:
     """The wrapper's forward in traceable mode: gather every unit, run the module on the full
     params. Units are gathered in the engine's order (root last), identically on every rank."""
+    engine = model._fsdp_engine
     params: dict[str, torch.Tensor] = {}
     for plan in state.units:
-        full = _GatherUnit.apply(_segment(plan), plan.compute, plan.comm, plan.pre_scale, plan.op,
-                                 plan.world, plan.group_name)
+        comm = engine.comm_dtype(plan.unit)  # read per forward: mixed_precision_context may override it
+        full = _GatherUnit.apply(_segment(plan), plan.compute, comm, plan.pre_scale, plan.op, plan.world,
+                                 plan.group_name)
         for fqn, tensor in zip(plan.fqns, _split(full, plan), strict=True):
             params[fqn] = tensor
     return functional_call(model.module, params, args, kwargs, tie_weights=True, strict=False)

@@ -159,6 +159,14 @@ def test_refusals(dist_env) -> None:
         model.set_traceable(1)  # type: ignore[arg-type]
 
 
+@pytest.mark.skipif(backward_traceable(), reason="this torch traces the backward (the refusal is for < 2.13)")
+def test_backward_refused_before_torch_2_13(dist_env) -> None:
+    model, opt = wrap(GraphCase(3), CPU, graph_mode=False)
+    model.set_traceable(True)
+    with pytest.raises(RuntimeError, match=r"compile_train_step with a backward needs torch >= 2.13"):
+        fsdp_impl.compile_train_step(make_step(model, opt), model, backend="aot_eager")
+
+
 @needs_traced_backward
 def test_no_compiled_graph_is_an_error(dist_env) -> None:
     """``set_stance("force_eager")`` runs the step eagerly without any error from torch (Dynamo
