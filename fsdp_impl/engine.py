@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .config import FSDPConfig
     from .fp8.params import ModelFp8
     from .offload.host import ModelOffload
+    from .traceable import TraceableState
 
 
 # Attribute on each sharded param: a weakref to its model's engine, so an optimizer built on
@@ -86,6 +87,9 @@ class FSDPEngine:
         # as the model's control flow is, which keeps the prefetch collectives in lockstep.
         self._order: list[FSDPUnit] = []
         self._prev_order: list[FSDPUnit] = []
+        # Traceable mode (fsdp_impl.traceable, for a whole-step torch.compile): set while on; the
+        # wrapper's forward and the bound optimizer then take the traceable path, the hooks are off
+        self.traceable: TraceableState | None = None
 
     # ------------------------------------------------------------------- forward
     @property

@@ -13,6 +13,7 @@ from .engine import FSDPEngine
 from .mesh import DistIndex
 from .optimizer_binding import zero_grads_and_buffers
 from .policy import MixedPrecisionPolicy
+from .traceable import set_traceable, traceable_forward
 
 
 class FullyShardedModule(nn.Module):
@@ -29,6 +30,9 @@ class FullyShardedModule(nn.Module):
         self._fsdp_hook_handles = hook_handles
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        traceable = self._fsdp_engine.traceable
+        if traceable is not None:  # fsdp_impl.traceable: functional gathers, no hooks
+            return traceable_forward(self, traceable, args, kwargs)
         self._root_pre_forward()
         output = self.module(*args, **kwargs)
         self._root_post_forward(output)
@@ -41,6 +45,14 @@ class FullyShardedModule(nn.Module):
     @torch.compiler.disable
     def _root_post_forward(self, output: Any) -> None:
         self._fsdp_engine.post_forward(self._fsdp_engine.root, output)
+
+    def set_traceable(self, on: bool) -> None:
+        """Traceable mode on or off (``fsdp_impl.traceable``): the forward becomes plain tensor code
+        with functional collectives that ``torch.compile(fullgraph=True)`` can trace together with
+        ``loss.backward()`` and ``optimizer.step()``; off (the default) is the eager engine."""
+        if not isinstance(on, bool):
+            raise TypeError(f"set_traceable(on) needs a bool, got {on!r}")
+        set_traceable(self, on)
 
     def set_model_auto_sync(self, sync: bool) -> None:
         """False: following backwards only accumulate (no ``.grad`` on the optimizer params);

@@ -20,6 +20,7 @@ from .local_step import LocalShardStep, eligible_class
 from .offload.optim import check_offload_optimizer, offload_policy_of, offloaded_step, prepare_host_step
 from .offload.overlap import attach_overlap
 from .placement import local_tensor
+from .traceable import traceable_zero_grad
 
 
 def param_mapping(model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
@@ -96,6 +97,14 @@ def zero_grads_and_buffers(engines: list[FSDPEngine], params: list[torch.Tensor]
         engine.zero_grad_buffers(free=set_to_none)
 
 
+def _traceable(engines: list[FSDPEngine]) -> bool:
+    """Whether the bound models are in traceable mode (``fsdp_impl.traceable``; all or none)."""
+    on = [e.traceable is not None for e in engines]
+    if any(on) and not all(on):
+        raise RuntimeError("an optimizer bound to several models needs all of them in traceable mode or none")
+    return bool(on) and on[0]
+
+
 class _FSDPOptimizerMixin(torch.optim.Optimizer):
     """Adds the FSDP buffer reset to ``zero_grad``. Only ever a base next to the user's optimizer
     class (``_FSDPOptimizerMixin, cls``), so ``super()`` is that class's ``zero_grad``."""
@@ -105,12 +114,17 @@ class _FSDPOptimizerMixin(torch.optim.Optimizer):
     _fsdp_local_step: LocalShardStep | None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if _traceable(self._fsdp_engines):  # grads are the params' own tensors, no buffer views
+            traceable_zero_grad([p for g in self.param_groups for p in g["params"]], set_to_none)
+            return
         zero_grads_and_buffers(self._fsdp_engines, [p for g in self.param_groups for p in g["params"]],
                                set_to_none, super().zero_grad)
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's step, then the engines learn that their weights changed (a fused kernel
         updates them without bumping the version counters the engine reads)."""
+        if _traceable(self._fsdp_engines):  # DTensor step (Dynamo traces it); set_traceable(False)
+            return super().step(*args, **kwargs)  # marks the compute params stale instead of a bump
         local = self._fsdp_local_step
         # a closure re-runs the backward inside the step, after the grads were aliased; graph
         # mode replays the step without Python, so there is no host time to save
