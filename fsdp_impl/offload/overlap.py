@@ -43,7 +43,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch.profiler import record_function
@@ -248,12 +248,9 @@ class OverlappedStep:
         joins the cycle with its own backward."""
         if self.cycle is not None and any(engine is d for d in self.cycle.done):
             if self.mode is True:
-                worker, self.cycle = self.cycle.worker, None
-                worker.join_after_failure()
-                raise RuntimeError("a sync backward ran again before optimizer.step() followed the previous one: with "
-                                   "OffloadPolicy(overlap_step=True) every sync backward steps the params as its grads "
-                                   "land, so call optimizer.step() after each (or use overlap_step=False)"
-                                   ) from worker.failure
+                self._refuse("a sync backward ran again before optimizer.step() followed the previous one: with "
+                             "OffloadPolicy(overlap_step=True) every sync backward steps the params as its grads "
+                             "land, so call optimizer.step() after each (or use overlap_step=False)")
             self.close()  # "clip": nothing stepped; the grads accumulate as without overlap
         if self.cycle is None:
             optimizer = self.optimizer
@@ -365,6 +362,14 @@ class OverlappedStep:
             self.last_times = cycle.times
 
     # ------------------------------------------------------------------ guards
+    def _refuse(self, message: str) -> NoReturn:
+        """Abandon the open ``overlap_step=True`` cycle (its worker joined, so no thread writes
+        on) and raise ``message``, chained to the worker's own failure if it had one."""
+        assert self.cycle is not None
+        worker, self.cycle = self.cycle.worker, None
+        worker.join_after_failure()
+        raise RuntimeError(message) from worker.failure
+
     def before_forward(self, engine: FSDPEngine) -> None:
         """The next forward of ``engine`` would read weights an ``overlap_step=True`` cycle is
         writing (the forward of another model sharing the optimizer may run)."""
@@ -372,24 +377,18 @@ class OverlappedStep:
             assert self.cycle is not None
             if not self.cycle.has(engine):
                 return
-            worker, self.cycle = self.cycle.worker, None
-            worker.join_after_failure()
-            raise RuntimeError("a forward ran after a backward with OffloadPolicy(overlap_step=True) but before "
-                               "optimizer.step(): the params were already updated on that backward's grads; call "
-                               "optimizer.step() after every sync backward (or use overlap_step=False)"
-                               ) from worker.failure
+            self._refuse("a forward ran after a backward with OffloadPolicy(overlap_step=True) but before "
+                         "optimizer.step(): the params were already updated on that backward's grads; call "
+                         "optimizer.step() after every sync backward (or use overlap_step=False)")
 
     def before_zero_grad(self) -> None:
         """``zero_grad`` would reset host grads the worker may still read."""
         if self.cycle is None:
             return
         if self.mode is True:
-            worker, self.cycle = self.cycle.worker, None
-            worker.join_after_failure()
-            raise RuntimeError("zero_grad() ran after a backward with OffloadPolicy(overlap_step=True) but before "
-                               "optimizer.step(): the units already stepped on those grads, they cannot be dropped; "
-                               "call optimizer.step() first (or use overlap_step=False to skip steps)"
-                               ) from worker.failure
+            self._refuse("zero_grad() ran after a backward with OffloadPolicy(overlap_step=True) but before "
+                         "optimizer.step(): the units already stepped on those grads, they cannot be dropped; "
+                         "call optimizer.step() first (or use overlap_step=False to skip steps)")
         self.close()
 
     def norms_for_clip(self) -> Callable[[torch.Tensor, float, torch.dtype], torch.Tensor | None]:

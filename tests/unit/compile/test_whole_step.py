@@ -51,14 +51,14 @@ def run(step: Callable[..., torch.Tensor], steps: range, dtype: torch.dtype) -> 
     return [step(*batch(s, CPU, dtype)).item() for s in steps]
 
 
-def compiled_pair(case: GraphCase, steps: int = STEPS):
+def compiled_pair(case: GraphCase, steps: int = STEPS, backend: str = "aot_eager"):
     """Eager engine losses, compiled traceable losses, the two models and the compiled step."""
     torch._dynamo.reset()
     counters.clear()
     ref, ref_opt = wrap(case, CPU, graph_mode=False)
     model, opt = wrap(case, CPU, graph_mode=False)
     model.set_traceable(True)
-    compiled = fsdp_impl.compile_train_step(make_step(model, opt), model, backend="aot_eager")
+    compiled = fsdp_impl.compile_train_step(make_step(model, opt), model, backend=backend)
     want = run(make_step(ref, ref_opt), range(steps), case.dtype)
     got = run(compiled, range(steps), case.dtype)
     return want, got, ref, model, compiled
@@ -219,15 +219,7 @@ def test_whole_step_inductor_within_tolerance(dist_env) -> None:
     differently from ATen (measured on torch 2.13: losses within 1e-7 relative, params 5.5e-7
     relative after 3 AdamW steps); rtol 1e-5 is ~20x that, while a wrong reduction (a missing
     pre-scale, a unit's grads lost) moves the params by 1e-3 and more."""
-    torch._dynamo.reset()
-    counters.clear()
-    case = GraphCase(3)
-    ref, ref_opt = wrap(case, CPU, graph_mode=False)
-    model, opt = wrap(case, CPU, graph_mode=False)
-    model.set_traceable(True)
-    compiled = fsdp_impl.compile_train_step(make_step(model, opt), model, backend="inductor")
-    want = run(make_step(ref, ref_opt), range(STEPS), case.dtype)
-    got = run(compiled, range(STEPS), case.dtype)
+    want, got, ref, model, compiled = compiled_pair(GraphCase(3), backend="inductor")
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
     got_params, want_params = full_params(model), full_params(ref)
     for name, value in want_params.items():  # relative to the param's largest entry (entries near 0)
