@@ -64,6 +64,9 @@ CELLS = {
                  "a bf16 compute shard stays on the device)"),
     "ours-gpu-hostall": "as ours + OffloadPolicy(params=True, grads=True) (nothing rests on the device)",
     "ours-cpu": "as ours + OffloadPolicy(step='cpu') (host step, torch's fused CPU AdamW)",
+    "ours-cpu-hostall": ("as ours-cpu + params=True (every gather uploads its fp32 host shard, as FSDP2's offload "
+                         "does: nothing rests on the device, the device peak FSDP2's)"),
+    "ours-cpu-hostall-overlap": "as ours-cpu-hostall + overlap_step=True",
     "ours-gpu-lean": ("as ours-gpu with bf16 main grads read as decoupled grads by fsdp_impl.optim.AdamW with bf16 "
                       "moments (10 host bytes a param instead of 16: the largest models)"),
     "ours-gpu-overlap": ("as ours-gpu + overlap_step=True (each unit's streamed step starts as its grads land, "
@@ -126,6 +129,8 @@ def offload_bytes(cell: str, n: int) -> tuple[int, int]:
         return 10 * n, 10 * n
     if cell == "ours-cpu":  # grads down; the bf16 compute shard refreshed once per step (fp32 up)
         return 4 * n, 4 * n
+    if cell == "ours-cpu-hostall":  # fp32 host shard up for each of 2 gathers, grads down (FSDP2's bytes)
+        return 2 * 4 * n, 4 * n
     if cell.startswith("fsdp2-offload"):  # fp32 sharded params up for each of 2 gathers, grads down
         return 2 * 4 * n, 4 * n
     return 0, 0
@@ -164,8 +169,9 @@ def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Mo
         elif base == "ours-gpu-hostall":
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(params=True, grads=True, pin_memory=pin,
                                                                overlap_step=overlap)
-        elif base == "ours-cpu":
-            kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu", pin_memory=pin, overlap_step=overlap)
+        elif base in ("ours-cpu", "ours-cpu-hostall"):
+            kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu", params=base == "ours-cpu-hostall",
+                                                               pin_memory=pin, overlap_step=overlap)
         lean = base == "ours-gpu-lean"
         policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                                 main_grads_dtype=torch.bfloat16 if lean else torch.float32)

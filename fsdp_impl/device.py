@@ -161,6 +161,12 @@ def release_cached_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def current_stream_wait(device: torch.device, event: torch.cuda.Event | None) -> None:
+    """Order the current stream of ``device`` after ``event`` (any stream's); no-op on CPU."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)
+
+
 def wait_on_host(event: torch.cuda.Event | None) -> None:
     """Block the host until ``event`` (from ``CommStream.record``) completed; no-op on CPU."""
     if event is not None:
@@ -240,8 +246,7 @@ class CommStream:
 
     def wait(self, event: torch.cuda.Event | None) -> None:
         """Make the current (compute) stream wait for ``event``; no-op on CPU."""
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+        current_stream_wait(self.device, event)
 
     def keep_alive(self, tensor: torch.Tensor) -> None:
         """``tensor`` (made on the compute stream) was used on the side stream: keep its memory

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,15 @@ import torch.nn as nn
 
 from .. import _testing
 from ..buffers import DataParallelBuffer
-from ..device import free_memory, host_device, pinned_memory_available, pinned_zeros, synchronize
+from ..device import (
+    CommStream,
+    current_stream_wait,
+    free_memory,
+    host_device,
+    pinned_memory_available,
+    pinned_zeros,
+    synchronize,
+)
 from ..policy import ResolvedDtypes
 from ..sharding import FlatLayout
 from .step import WINDOW_SLOTS, window_capacity, window_too_large
@@ -248,6 +256,7 @@ class UnitOffload:
         self.host_grad: DataParallelBuffer | None = None
         self.compute_shard: torch.Tensor | None = None  # params=False: the shard in the compute dtype
         self.shard_version = -1  # version() the compute shard was built from
+        self.shard_ready: Any = None  # overlap_step: the event of an upload made ahead (refresh_ahead)
         self.host_grad_fresh = True  # the host grads were zeroed or consumed since the last copy
         self.landed = False  # overlap_step: this sync backward's grads were copied when they landed
         if grad is not None and policy.grads_on_host:
@@ -273,7 +282,25 @@ class UnitOffload:
         if version != self.shard_version:
             self.compute_shard.copy_(self._to_device(self.weight.data))
             self.shard_version = version
+        if self.shard_ready is not None:  # uploaded ahead on another stream: the gather waits for it
+            current_stream_wait(self.device, self.shard_ready)
+            self.shard_ready = None
         return self.compute_shard
+
+    def refresh_ahead(self, stream: CommStream, after: Any) -> None:
+        """``overlap_step=True`` with ``step="cpu"`` (the worker thread, right after this unit's
+        host step): upload the new weights into the compute shard now, on ``stream`` once
+        ``after`` (the unit's grad landing, so its backward, the shard's last reader this step,
+        is done) has passed, instead of in the next forward's gather. The same cast copy as
+        ``gather_source``, so the same bits; the next gather waits for ``shard_ready``. A later
+        edit of the weights still shows: its version differs and the gather refreshes again."""
+        if self.compute_shard is None:
+            return
+        with stream.enter():
+            stream.wait(after)
+            self.compute_shard.copy_(self._to_device(self.weight.data))
+            self.shard_ready = stream.record()
+        self.shard_version = self.version()
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A device copy of ``host`` (an explicit copy, so the CPU test window copies too)."""

@@ -10,8 +10,10 @@ as soon as that unit's reduced grads *land* (its post-backward reduction, revers
 * **the worker** (``StepWorker``, one thread per sync backward, tasks in landing order): waits for
   the unit's copy on the host, then
   - ``overlap_step=True``: steps that unit's params (``step="cpu"``: the host kernel,
-    ``optim.host_step_units``; ``step="gpu"``: the unit's chunks through the device window on a
-    side stream, ``OffloadedAdamStep.step(only=...)``);
+    ``optim.host_step_units``, then the upload of the unit's new weights into its device compute
+    shard on a side stream, which the next forward's gather would otherwise make, exposed;
+    ``step="gpu"``: the unit's chunks through the device window on a side stream, which also
+    writes the compute shard, ``OffloadedAdamStep.step(only=...)``);
   - ``overlap_step="clip"``: computes the per-param norms ``clip_grad_norm`` needs (the same
     ``torch._foreach_norm`` over the same host grads), and steps nothing.
 * **end of the backward** (``backward_done``): units whose grads landed only there (an unused
@@ -185,7 +187,8 @@ class OverlappedStep:
         self.policy = policy
         self.mode = policy.overlap_step
         self.device = device
-        self.stream = CommStream(device)  # step="gpu": the overlapped step's math, off the compute stream
+        # off the compute stream: step="gpu": the overlapped step's math; "cpu": the uploads made ahead
+        self.stream = CommStream(device)
         self.cycle: _Cycle | None = None
         self.last_times: OverlapTimes | None = None  # the last consumed cycle's timestamps (bench)
 
@@ -264,7 +267,7 @@ class OverlappedStep:
         cycle.units.append(unit)
         decoupled = engine.config.use_decoupled_grad
         if self.mode is True:
-            work: Callable[[], None] = lambda: self._step_unit(unit, decoupled)  # noqa: E731
+            work: Callable[[], None] = lambda: self._step_unit(unit, decoupled, event)  # noqa: E731
         else:
             work = lambda: self._norms_of(cycle, unit, decoupled)  # noqa: E731
 
@@ -281,8 +284,10 @@ class OverlappedStep:
         cycle.worker.submit(task)
 
     # --------------------------------------------------------------- the worker
-    def _step_unit(self, unit: FSDPUnit, decoupled: bool) -> None:
-        """``overlap_step=True``: the unit's update (worker thread)."""
+    def _step_unit(self, unit: FSDPUnit, decoupled: bool, landed: Any) -> None:
+        """``overlap_step=True``: the unit's update (worker thread); with ``step="cpu"`` also the
+        upload of its new weights to the device, made now instead of in the next forward
+        (``UnitOffload.refresh_ahead``; ``landed``: the event of the unit's grad landing)."""
         from .optim import host_step_units, runner_of
         optimizer = self.optimizer
         if optimizer is None:
@@ -290,6 +295,8 @@ class OverlappedStep:
         grad_of = _grad_reader(decoupled)
         if self.policy.step == "cpu":
             host_step_units(optimizer, [unit], grad_of)
+            assert unit.offload is not None
+            unit.offload.refresh_ahead(self.stream, landed)
             return
         engines = list(optimizer._fsdp_engines)  # type: ignore[attr-defined]
         runner = runner_of(optimizer, engines, self.policy, self.device)

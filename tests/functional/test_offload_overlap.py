@@ -81,6 +81,11 @@ def test_overlapped_step_equals_the_step_after_the_backward(step: str, strategy:
     times = opt.__dict__[OVERLAP_ATTR].last_times
     units = len(model._fsdp_engine.units)
     assert times.landed + times.at_end == units and times.landed >= units - 1, (times.landed, times.at_end)
+    if step == "cpu":  # each unit's new weights were uploaded after its host step, not left to the next forward
+        for unit in model._fsdp_engine.units:
+            shard = unit.offload.compute_shard
+            assert unit.offload.shard_is_fresh(), f"{unit.name}: compute shard not refreshed after its step"
+            assert torch.equal(shard, unit.offload.weight.data.to(shard.dtype)), f"{unit.name}: stale compute shard"
     _no_worker_left()
 
 
