@@ -48,7 +48,7 @@ import torch
 
 from bench import cli, compile_cells, launch, runtime
 from bench.compile_cells import CELLS, DEFAULT_CELLS
-from bench.impls import SIZES, num_params_of
+from bench.impls import SIZES
 from bench.runtime import GIB, Env
 from bench.suite import Budget
 
@@ -70,12 +70,12 @@ def _timed_step(trainee: Any, env: Env) -> tuple[float, float]:
 
 
 def measure(env: Env, cell: str, size: str, micro_batch: int, warmup: int, steps: int,
-            backend: str) -> dict[str, Any]:
+            backend: str, model: str = "gpt") -> dict[str, Any]:
     """Build, warm up (compile), time, count: one cell; numbers max over ranks."""
     cfg = SIZES[size]
     base = runtime.allocated(env)
     t0 = time.perf_counter()
-    built = compile_cells.build(cell, cfg, env, micro_batch, backend)
+    built = compile_cells.build(cell, cfg, env, micro_batch, backend, model_name=model)
     runtime.sync(env)
     build_s = time.perf_counter() - t0
     start = built.counts()
@@ -104,7 +104,8 @@ def measure(env: Env, cell: str, size: str, micro_batch: int, warmup: int, steps
     m = runtime.all_max(env, [total, peak, max(peak, peak_warm), warm[0][0], sum(w for w, _ in warm), build_s])
     setup = end.minus(start)
     return {
-        "cell": cell, "size": size, "status": "ok", "world": env.world, "params": num_params_of(cfg),
+        "cell": cell, "size": size, "model": model, "status": "ok", "world": env.world,
+        "params": compile_cells.params_of(model, cfg),
         "micro_batch": micro_batch, "seq": cfg.seq, "warmup": warmup, "steps": steps, "backend": backend,
         "tokens_per_s": micro_batch * cfg.seq * steps / m[0], "step_ms": 1e3 * m[0] / steps,
         "step_ms_median_rank0": 1e3 * statistics.median(step_s),
@@ -122,7 +123,7 @@ def run_one(env: Env, args: argparse.Namespace) -> int:
     error = None
     row: dict[str, Any] = {}
     try:
-        row = measure(env, args.one, args.size, args.micro_batch, args.warmup, args.steps, args.backend)
+        row = measure(env, args.one, args.size, args.micro_batch, args.warmup, args.steps, args.backend, args.model)
     except Exception as err:  # an OOM, a compile failure or an eager fallback: the row says so
         error = f"{type(err).__name__}: {err}"
         traceback.print_exc()
@@ -144,7 +145,7 @@ def spawn(cell: str, args: argparse.Namespace) -> dict[str, Any]:
     """One cell in fresh processes of the run's world (``bench.launch``: its own session, killed
     on a timeout); its row is the last JSON line rank 0 printed."""
     world = launch.World(args.nproc_per_node, 0, args.device)
-    argv = ["--one", cell, "--size", args.size, "--backend", args.backend,
+    argv = ["--one", cell, "--size", args.size, "--backend", args.backend, "--model", args.model,
             *cli.forward(args, ("steps", "warmup", "micro_batch"))]
     done = launch.run(launch.command(world, "bench.compile_bench", argv), launch.child_env(world),
                       args.timeout, prefix=f"  [{cell}] ")
@@ -164,7 +165,7 @@ def rounds(cells: list[str], args: argparse.Namespace, start: Spawn = spawn, bud
     rows: list[dict[str, Any]] = []
     for rep in range(1, args.reps + 1):
         for cell in cells:
-            reason = compile_cells.unavailable_reason(cell)
+            reason = compile_cells.unavailable_reason(cell, args.model)
             if reason is None and not budget.fits(args.size, cell):
                 reason = f"time budget: {budget.elapsed():.0f}s elapsed + about " \
                          f"{budget.estimate(args.size, cell):.0f}s > {budget.limit_s:.0f}s"
@@ -264,7 +265,8 @@ def configuration(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     ok = next((r for r in rows if r.get("status") == "ok"), {})
     cfg = SIZES[args.size]
     return (f"Configuration: {ok.get('device', args.device)}, torch {ok.get('torch', torch.__version__)}, world "
-            f"{args.nproc_per_node}, size {args.size} ({num_params_of(cfg) / 1e9:.2f}B params, hidden {cfg.hidden}, "
+            f"{args.nproc_per_node}, model {args.model} ({compile_cells.MODEL_NOTES[args.model]}), size {args.size} "
+            f"({compile_cells.params_of(args.model, cfg) / 1e9:.2f}B params, hidden {cfg.hidden}, "
             f"{cfg.layers} layers), micro-batch {args.micro_batch} x seq {cfg.seq}, {args.warmup} warm-up + "
             f"{args.steps} timed steps, {args.reps} round(s), medians; backend {args.backend} (fullgraph except FP8), "
             "AdamW(lr 1e-4, fused=True), bf16 compute, fp32 main params / grads / optimizer state.")
@@ -281,6 +283,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags; bad sizes, cells and counts are refused naming the allowed values."""
     p = cli.parser(__doc__)
     p.add_argument("--size", default="1.3b", choices=list(SIZES))
+    p.add_argument("--model", default="gpt", choices=list(compile_cells.MODELS),
+                   help="gpt: bench.gpt (LayerNorm, GELU, fused eager kernels); llama: bench.llama (torchtitan's "
+                        "Llama 3 block: RMSNorm, rotary embeddings, SwiGLU in plain tensor ops)"),
     p.add_argument("--cells", type=cli.csv_list(list(CELLS)), default=list(DEFAULT_CELLS),
                    help="comma-separated cells, alternated in this order in each round")
     p.add_argument("--reps", type=cli.positive, default=3, help="rounds (fresh-process runs per cell; median shown)")

@@ -43,7 +43,8 @@ from torch._dynamo.utils import counters
 
 from bench import impls
 from bench.gpt import GPT, Block, GPTConfig, apply_recompute
-from bench.impls import LR, Trainee, flat_mesh
+from bench.impls import LR, Trainee, flat_mesh, num_params_of
+from bench.llama import Llama, LlamaBlock, llama_params
 from bench.runtime import Env
 
 # Float8Linear's frames specialise per weight shape (4 per block) inside each unit's compiled
@@ -148,7 +149,10 @@ DEFAULT_CELLS = ("ours+compile", "fsdp2+compile", "ours", "fsdp2", "ours+compile
                  "ours+ac", "fsdp2+ac", "ours-fp8+compile", "te-fp8-ref")
 
 
-def unavailable_reason(name: str) -> str | None:
+def unavailable_reason(name: str, model: str = "gpt") -> str | None:
+    """Why cell ``name`` cannot run on this machine for ``model`` (None: it can)."""
+    if CELLS[name].engine == "te" and model != "gpt":
+        return f"TE's reference is built on bench.gpt only, not model {model!r}"
     need = CELLS[name].needs_module
     if need and importlib.util.find_spec(need) is None:
         return f"python module {need!r} not installed"
@@ -159,7 +163,18 @@ def _adamw(module: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(module.parameters(), lr=LR, fused=True)
 
 
-def _build_ours(cell: Cell, module: nn.Module, env: Env, backend: str) -> tuple[nn.Module, Any, Callable[[], int]]:
+# --model: the model class and its block class (the FSDP unit, what compile and recompute wrap)
+MODELS: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {"gpt": (GPT, Block), "llama": (Llama, LlamaBlock)}
+MODEL_NOTES = {"gpt": "bench.gpt: LayerNorm, GELU, tied head", "llama": "bench.llama: RMSNorm, RoPE, SwiGLU"}
+
+
+def params_of(model: str, cfg: GPTConfig) -> int:
+    """Parameter count of ``model`` (a ``MODELS`` key) at ``cfg``."""
+    return num_params_of(cfg) if model == "gpt" else llama_params(cfg)
+
+
+def _build_ours(cell: Cell, module: nn.Module, env: Env, backend: str,
+                block: type[nn.Module] = Block) -> tuple[nn.Module, Any, Callable[[], int]]:
     import fsdp_impl
 
     extra: dict[str, Any] = {}
@@ -173,7 +188,7 @@ def _build_ours(cell: Cell, module: nn.Module, env: Env, backend: str) -> tuple[
         if cell.fp8:
             torch._dynamo.config.recompile_limit = max(FP8_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
     policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
-    model, opt = fsdp_impl.fully_shard(module, _adamw(module), fsdp_unit_modules=[Block],
+    model, opt = fsdp_impl.fully_shard(module, _adamw(module), fsdp_unit_modules=[block],
                                        zero_dp_strategy="optim_grads_params", mixed_precision_policy=policy,
                                        **flat_mesh(env), **extra)
     stats = getattr(model, "compile_stats", None)
@@ -212,22 +227,27 @@ class Built:
 
 
 def build(name: str, cfg: GPTConfig, env: Env, micro_batch: int, backend: str = "inductor",
-          data_seed: int = 1234) -> Built:
-    """Fresh module (seed 0, on the device), wrapped as the cell says, with this rank's tokens
-    (the same tokens as ``bench.impls.build``)."""
+          data_seed: int = 1234, model_name: str = "gpt") -> Built:
+    """Fresh module (``model_name``: a ``MODELS`` key; seed 0, on the device), wrapped as the
+    cell says, with this rank's tokens (the same tokens as ``bench.impls.build``)."""
     cell = CELLS[name]
+    if model_name not in MODELS:
+        raise ValueError(f"model {model_name!r}; allowed: {', '.join(MODELS)}")
+    if cell.engine == "te" and model_name != "gpt":
+        raise ValueError(f"{name} builds TE's version of bench.gpt.GPT only; got model {model_name!r}")
+    model_cls, block = MODELS[model_name]
     torch.manual_seed(0)
     with torch.device(env.device):
-        module = GPT(cfg)
+        module = model_cls(cfg)
     if cell.engine != "fsdp2":
         module = module.to(torch.bfloat16)
     if cell.recompute:
-        apply_recompute(module, "full")
+        apply_recompute(module, "full", block)
     counting = CountingBackend(backend) if cell.compiled and cell.engine == "fsdp2" else None
     model: nn.Module
     graphs: Callable[[], int] = lambda: 0  # noqa: E731
     if cell.engine == "ours":
-        model, opt, graphs = _build_ours(cell, module, env, backend)
+        model, opt, graphs = _build_ours(cell, module, env, backend, block)
     elif cell.engine == "fsdp2":
         model, opt = _build_fsdp2(cell, module, env, counting)
         if counting is not None:

@@ -88,15 +88,15 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def apply_recompute(model: nn.Module, style: str) -> None:
-    """Activation recompute of every block, the same way for every implementation (before it
-    wraps the model): ``full``: ``checkpoint_wrapper`` around each block (non-reentrant, torch's
-    ``apply_activation_checkpointing``); ``selective``: each block's own selective checkpoint;
-    ``none``: nothing."""
+def apply_recompute(model: nn.Module, style: str, block: type[nn.Module] = Block) -> None:
+    """Activation recompute of every block (``block``: its class), the same way for every
+    implementation (before it wraps the model): ``full``: ``checkpoint_wrapper`` around each block
+    (non-reentrant, torch's ``apply_activation_checkpointing``); ``selective``: each block's own
+    selective checkpoint (``bench.gpt.Block`` only); ``none``: nothing."""
     if style == "full":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, block))
     elif style == "selective":
         for m in model.modules():
             if isinstance(m, Block):
