@@ -67,6 +67,7 @@ CELLS = {
     "ours-cpu-hostall": ("as ours-cpu + params=True (every gather uploads its fp32 host shard, as FSDP2's offload "
                          "does: nothing rests on the device, the device peak FSDP2's)"),
     "ours-cpu-hostall-overlap": "as ours-cpu-hostall + overlap_step=True",
+    "ours-cpu-hostall-overlap-clip": "as ours-cpu-hostall + clip_grad_norm(model, 1.0) + overlap_step='clip'",
     "ours-gpu-lean": ("as ours-gpu with bf16 main grads read as decoupled grads by fsdp_impl.optim.AdamW with bf16 "
                       "moments (10 host bytes a param instead of 16: the largest models)"),
     "ours-gpu-overlap": ("as ours-gpu + overlap_step=True (each unit's streamed step starts as its grads land, "
