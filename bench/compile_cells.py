@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from bench import impls
 from bench.gpt import GPT, Block, GPTConfig, apply_recompute
@@ -129,7 +130,8 @@ def _cell(engine: str, compiled: bool, recompute: bool) -> Cell:
     if compiled:
         how = ("; compile_units (each block's forward compiled, fullgraph, hooks eager)" if engine == "ours" else
                "; torch.compile(block, fullgraph=True) per block before fully_shard (torchtitan)")
-    ac = "; full recompute: checkpoint_wrapper per block" if recompute else ""
+    ac = ("; full recompute: checkpoint_wrapper per block" + (", the wrapper is the unit" if engine == "ours" else "")
+          if recompute else "")
     other = "fsdp2" if engine == "ours" else None
     twin = (other + name[len(engine):]) if other else None
     eager = name.replace("+compile", "") if compiled else None
@@ -246,8 +248,8 @@ def build(name: str, cfg: GPTConfig, env: Env, micro_batch: int, backend: str = 
     counting = CountingBackend(backend) if cell.compiled and cell.engine == "fsdp2" else None
     model: nn.Module
     graphs: Callable[[], int] = lambda: 0  # noqa: E731
-    if cell.engine == "ours":
-        model, opt, graphs = _build_ours(cell, module, env, backend, block)
+    if cell.engine == "ours":  # with recompute the wrapper is the unit, as FSDP2 shards it (see compile_units)
+        model, opt, graphs = _build_ours(cell, module, env, backend, CheckpointWrapper if cell.recompute else block)
     elif cell.engine == "fsdp2":
         model, opt = _build_fsdp2(cell, module, env, counting)
         if counting is not None:

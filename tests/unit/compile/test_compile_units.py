@@ -12,6 +12,8 @@ do not depend on the test order.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -127,6 +129,29 @@ def test_activation_recompute_bit_for_bit(style: str, dist_env) -> None:
     rc.assert_bit_identical(got, want, f"{style}: compiled units vs eager")
     # no graph break in any style (torch 2.13): Dynamo traces both checkpoint kinds inside the forward
     assert_compiled(model.compile_stats, units=4)
+
+
+def test_checkpoint_wrapper_as_the_unit_compiles_the_recompute(dist_env) -> None:
+    """A unit inside a ``checkpoint_wrapper`` warns (its recompute calls the compiled forward a
+    second time, from eager code); the wrapper as the unit does not warn, runs one compiled call
+    per forward (the checkpoint traced with the block, the recompute inside the compiled backward)
+    and equals the eager run of the same style bit for bit."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    want, _ = _recompute_run("wrapper", None)
+    with pytest.warns(UserWarning, match=r"4 unit\(s\) sit inside a checkpoint_wrapper"):
+        _, inside = _recompute_run("wrapper", AOT)
+    assert all(u.calls == 2 * STEPS for u in inside.compile_stats.units.values()), inside.compile_stats
+    torch._dynamo.reset()
+    net = rc.build_net("wrapper")
+    model, opt = fsdp_impl.fully_shard(net, torch.optim.Adam(net.parameters(), lr=1e-2),
+                                       fsdp_unit_modules=[CheckpointWrapper], zero_dp_strategy=3, compile_units=AOT)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = rc.train(model, opt, STEPS, 2, CPU)
+    assert not [w for w in seen if "checkpoint_wrapper" in str(w.message)], [str(w.message) for w in seen]
+    rc.assert_bit_identical(got, want, "checkpoint_wrapper as the compiled unit vs eager")
+    assert_compiled(model.compile_stats, units=4)
+    assert all(u.calls == STEPS for u in model.compile_stats.units.values()), model.compile_stats
 
 
 @pytest.mark.slow
