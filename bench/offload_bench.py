@@ -64,6 +64,8 @@ CELLS = {
                  "a bf16 compute shard stays on the device)"),
     "ours-gpu-hostall": "as ours + OffloadPolicy(params=True, grads=True) (nothing rests on the device)",
     "ours-cpu": "as ours + OffloadPolicy(step='cpu') (host step, torch's fused CPU AdamW)",
+    "ours-cpu-lateup-overlap": ("as ours-cpu-overlap with upload_ahead=False (the new weights go up in the next "
+                                "forward's gathers, not from the worker after each unit's step)"),
     "ours-cpu-hostall": ("as ours-cpu + params=True (every gather uploads its fp32 host shard, as FSDP2's offload "
                          "does: nothing rests on the device, the device peak FSDP2's)"),
     "ours-cpu-hostall-overlap": "as ours-cpu-hostall + overlap_step=True",
@@ -128,7 +130,7 @@ def offload_bytes(cell: str, n: int) -> tuple[int, int]:
         return 16 * n + 2 * 4 * n, 12 * n + 4 * n
     if cell == "ours-gpu-lean":  # as ours-gpu with 2-byte grads and moments: in 4 + 2 + 2 * 2, out 4 + 2 * 2 + 2
         return 10 * n, 10 * n
-    if cell == "ours-cpu":  # grads down; the bf16 compute shard refreshed once per step (fp32 up)
+    if cell in ("ours-cpu", "ours-cpu-lateup"):  # grads down; the bf16 compute shard refreshed once per step (fp32 up)
         return 4 * n, 4 * n
     if cell == "ours-cpu-hostall":  # fp32 host shard up for each of 2 gathers, grads down (FSDP2's bytes)
         return 2 * 4 * n, 4 * n
@@ -170,9 +172,10 @@ def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Mo
         elif base == "ours-gpu-hostall":
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(params=True, grads=True, pin_memory=pin,
                                                                overlap_step=overlap)
-        elif base in ("ours-cpu", "ours-cpu-hostall"):
+        elif base in ("ours-cpu", "ours-cpu-hostall", "ours-cpu-lateup"):
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu", params=base == "ours-cpu-hostall",
-                                                               pin_memory=pin, overlap_step=overlap)
+                                                               pin_memory=pin, overlap_step=overlap,
+                                                               upload_ahead=base != "ours-cpu-lateup")
         lean = base == "ours-gpu-lean"
         policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                                 main_grads_dtype=torch.bfloat16 if lean else torch.float32)

@@ -85,6 +85,11 @@ class OffloadPolicy:
       streams, and the window holds ``WINDOW_SLOTS`` chunks (fewer when the step has fewer). A
       window that cannot fit the device's free memory is refused at wrap time
       (``check_window``) and again, exactly, before the first step allocates it.
+    * ``upload_ahead`` (True): with ``overlap_step=True`` and ``step="cpu"``, the worker uploads
+      each unit's new weights into its device compute shard right after the unit's host step
+      (``UnitOffload.refresh_ahead``) instead of leaving the upload to the next forward's gather.
+      It shortens the forward, and costs the host step the copy's host-memory traffic while
+      both run; False keeps the upload in the forward. Same numbers either way.
     * ``overlap_step`` (False): overlap the optimizer step with the backward (``overlap.py``);
       needs the grads in host memory and Adam/AdamW. ``True``: as each unit's reduced grads land
       (the sync backward of an accumulation only), that unit steps in a worker thread
@@ -103,9 +108,10 @@ class OffloadPolicy:
     pin_memory: bool = True
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     overlap_step: OverlapMode = False
+    upload_ahead: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("optimizer_state", "main_params", "params", "pin_memory"):
+        for name in ("optimizer_state", "main_params", "params", "pin_memory", "upload_ahead"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"OffloadPolicy.{name} must be True or False, got {getattr(self, name)!r}")
         if self.grads is not None and not isinstance(self.grads, bool):
@@ -294,7 +300,7 @@ class UnitOffload:
         is done) has passed, instead of in the next forward's gather. The same cast copy as
         ``gather_source``, so the same bits; the next gather waits for ``shard_ready``. A later
         edit of the weights still shows: its version differs and the gather refreshes again."""
-        if self.compute_shard is None:
+        if self.compute_shard is None or not self.policy.upload_ahead:
             return
         with stream.enter():
             stream.wait(after)

@@ -9,6 +9,7 @@ stale or partial grads, twice, or not at all shows as a difference of order lr =
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -86,6 +87,11 @@ def test_overlapped_step_equals_the_step_after_the_backward(step: str, strategy:
             shard = unit.offload.compute_shard
             assert unit.offload.shard_is_fresh(), f"{unit.name}: compute shard not refreshed after its step"
             assert torch.equal(shard, unit.offload.weight.data.to(shard.dtype)), f"{unit.name}: stale compute shard"
+        with window(device):  # upload_ahead=False: the same numbers, the upload left to the next forward
+            policy = dataclasses.replace(_overlap_policy(step, device, True), upload_ahead=False)
+            late = train("gpt", device, dict(zero_dp_strategy=strategy, offload_policy=policy), steps=4)
+        _assert_identical(late, runs[False], f"upload_ahead=False, ZeRO-{strategy}")
+        assert not any(u.offload.shard_is_fresh() for u in late[2]._fsdp_engine.units)
     _no_worker_left()
 
 

@@ -30,6 +30,12 @@ def test_overlap_step_names_its_allowed_values(value: object) -> None:
         OffloadPolicy(overlap_step=value)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_upload_ahead_is_a_bool(value: object) -> None:
+    with pytest.raises(TypeError, match=r"^OffloadPolicy\.upload_ahead must be True or False, got "):
+        OffloadPolicy(upload_ahead=value)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("value", [True, "clip"])
 def test_overlap_needs_host_grads(value: object) -> None:
     with pytest.raises(ValueError, match=r"overlap_step=.*grads must be on the host"):
