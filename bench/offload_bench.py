@@ -280,10 +280,12 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int,
 
 
 def _start_profiler(device: torch.device) -> Any:
+    from torch._C._profiler import _ExperimentalConfig
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    profiler = profile(activities=activities)
+    # every thread: the overlap worker's FSDP::overlap_step ranges (host step) show beside the compute
+    profiler = profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True))
     profiler.start()
     return profiler
 
