@@ -69,6 +69,9 @@ CELLS = {
     "ours-cpu-hostall": ("as ours-cpu + params=True (every gather uploads its fp32 host shard, as FSDP2's offload "
                          "does: nothing rests on the device, the device peak FSDP2's)"),
     "ours-cpu-hostall-overlap": "as ours-cpu-hostall + overlap_step=True",
+    "ours-cpu-forward": ("as ours-cpu + overlap_step='forward' (the host step overlaps the backward and runs on "
+                         "into the next forward: step() returns at once, each unit's gather waits for its step)"),
+    "ours-cpu-hostall-forward": "as ours-cpu-hostall + overlap_step='forward'",
     "ours-cpu-hostall-overlap-clip": "as ours-cpu-hostall + clip_grad_norm(model, 1.0) + overlap_step='clip'",
     "ours-gpu-lean": ("as ours-gpu with bf16 main grads read as decoupled grads by fsdp_impl.optim.AdamW with bf16 "
                       "moments (10 host bytes a param instead of 16: the largest models)"),
@@ -99,14 +102,16 @@ GIB = 2**30
 
 
 def base_cell(cell: str) -> str:
-    """The cell without its ``-overlap``/``-clip`` suffixes (they move the same bytes)."""
-    for suffix in ("-clip", "-overlap"):
+    """The cell without its ``-overlap``/``-forward``/``-clip`` suffixes (they move the same bytes)."""
+    for suffix in ("-clip", "-overlap", "-forward"):
         cell = cell.removesuffix(suffix)
     return cell
 
 
 def overlap_mode(cell: str) -> bool | str:
     """``OffloadPolicy.overlap_step`` of ``cell``."""
+    if cell.endswith("-forward"):
+        return "forward"
     if "-overlap" not in cell:
         return False
     return "clip" if cell.endswith("-clip") else True
@@ -228,6 +233,7 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int,
     step_times: list[float] = []
     totals: list[float] = []
     hidden: list[tuple[float, float]] = []  # per measured step: (ms hidden under the backward, ms in all)
+    last_t1 = 0.0
     profiler = None
     for i in range(warmup + steps):
         if i == warmup:
@@ -252,7 +258,9 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int,
             step_times.append(t2 - t1)
             totals.append(t2 - t0)
             if overlap is not None and overlap.last_times is not None:
-                hidden.append(overlap_share(overlap.last_times.busy, t1))
+                # "forward": the cycle joined now is the last step's (its worker ran on into this forward)
+                hidden.append(overlap_share(overlap.last_times.busy, last_t1 if overlap.runs_on else t1))
+        last_t1 = t1
     if profiler is not None and trace is not None:
         profiler.stop()
         trace.mkdir(parents=True, exist_ok=True)

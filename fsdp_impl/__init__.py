@@ -12,7 +12,8 @@ from .api import fully_shard, fully_shard_model, fully_shard_optimizer
 from .clip_grad import clip_grad_norm
 from .compile_step import compile_train_step
 from .offload.host import OffloadPolicy
+from .offload.overlap import wait_for_step
 from .policy import MixedPrecisionPolicy
 
 __all__ = ["fully_shard", "fully_shard_model", "fully_shard_optimizer", "MixedPrecisionPolicy", "OffloadPolicy",
-           "clip_grad_norm", "checkpoint", "compile_train_step", "cuda_graph", "optim"]
+           "clip_grad_norm", "checkpoint", "compile_train_step", "cuda_graph", "optim", "wait_for_step"]

@@ -371,7 +371,7 @@ class FSDPEngine:
         """Refuse ``zero_grad(set_to_none=True)`` in graph mode, and ``zero_grad`` between an
         ``overlap_step=True`` backward and its ``optimizer.step()`` (before anything is reset)."""
         if self.offload is not None and self.offload.overlap is not None:
-            self.offload.overlap.before_zero_grad()
+            self.offload.overlap.before_zero_grad(free)
         if free and self.config.cuda_graph_mode:
             raise ValueError(
                 "zero_grad(set_to_none=True) is not allowed with cuda_graph_mode=True: it would drop the "

@@ -11,9 +11,18 @@ import torch.nn as nn
 from .buffers import ParamAndGradBuffer
 from .engine import FSDPEngine
 from .mesh import DistIndex
+from .offload.overlap import wait_for_model_step
 from .optimizer_binding import zero_grads_and_buffers
 from .policy import MixedPrecisionPolicy
 from .traceable import set_traceable, traceable_forward
+
+
+def _wait_before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    wait_for_model_step(module._fsdp_engine)  # type: ignore[arg-type]
+
+
+def _wait_before_load(module: nn.Module, *args: Any) -> None:
+    wait_for_model_step(module._fsdp_engine)  # type: ignore[arg-type]
 
 
 class FullyShardedModule(nn.Module):
@@ -28,6 +37,9 @@ class FullyShardedModule(nn.Module):
         self.param_and_grad_buffer = buffer
         self.dist_index = dist_index
         self._fsdp_hook_handles = hook_handles
+        # OffloadPolicy(overlap_step="forward"): saving or loading waits for a host step running on
+        self.register_state_dict_pre_hook(_wait_before_state_dict)
+        self.register_load_state_dict_pre_hook(_wait_before_load)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         traceable = self._fsdp_engine.traceable

@@ -59,8 +59,8 @@ StepMode = Literal["gpu", "cpu"]
 STEPS: tuple[StepMode, ...] = get_args(StepMode)
 # What overlaps the backward (``OffloadPolicy.overlap_step``): nothing, the whole step, or (for
 # ``clip_grad_norm``, which needs every grad before any step) the grads' copies and norms only
-OverlapMode = Literal[False, True, "clip"]
-OVERLAP_MODES: tuple[OverlapMode, ...] = (False, True, "clip")
+OverlapMode = Literal[False, True, "clip", "forward"]
+OVERLAP_MODES: tuple[OverlapMode, ...] = (False, True, "clip", "forward")
 MIN_CHUNK_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
@@ -97,7 +97,14 @@ class OffloadPolicy:
       and ``optimizer.step()`` waits for it; ``clip_grad_norm`` after such a backward raises.
       ``"clip"``: the grads' device-to-host copies and their partial norms overlap the backward,
       ``clip_grad_norm`` uses those norms and ``optimizer.step()`` steps as without overlap.
-      Either way the numbers are those of ``overlap_step=False``, bit for bit.
+      ``"forward"`` (``step="cpu"``): as ``True``, and the units still stepping when the backward
+      ends go on stepping (first unit first) while the next forward runs: ``optimizer.step()``
+      returns at once, each unit's gather in the next forward waits for that unit's step. Until
+      that forward, read params or optimizer state only after ``fsdp_impl.wait_for_step(optimizer)``
+      (``state_dict``/``load_state_dict``, ``zero_grad(set_to_none=False)``, ``clip_grad_norm``,
+      another ``step()`` and the next backward wait by themselves); a scheduler may change ``lr``
+      at once (the units step with the values of ``step()`` time).
+      Every mode gives the numbers of ``overlap_step=False``, bit for bit.
     """
 
     optimizer_state: bool = True
@@ -136,8 +143,11 @@ class OffloadPolicy:
         if self.params and not self.main_params:
             raise ValueError("OffloadPolicy.params=True gathers from the host main-parameter shards, so it "
                              "needs main_params=True")
-        if not (self.overlap_step is False or self.overlap_step is True or self.overlap_step == "clip"):
+        if not (self.overlap_step is False or self.overlap_step is True or self.overlap_step in ("clip", "forward")):
             raise ValueError(f"OffloadPolicy.overlap_step must be one of {OVERLAP_MODES}, got {self.overlap_step!r}")
+        if self.overlap_step == "forward" and self.step != "cpu":
+            raise ValueError("OffloadPolicy(overlap_step='forward') lets the host step run on into the next forward, "
+                             f"which needs step='cpu', got step={self.step!r}")
         if self.overlap_step is not False and not self.grads_on_host:
             raise ValueError(f"OffloadPolicy(overlap_step={self.overlap_step!r}) overlaps the step with the grads' "
                              "copies to host memory, so the grads must be on the host: pass grads=True or None "
@@ -145,6 +155,11 @@ class OffloadPolicy:
         if not (self.optimizer_state or self.main_params or self.grads):
             raise ValueError("OffloadPolicy offloads nothing (optimizer_state, main_params and grads are all "
                              "off); pass offload_policy=None instead")
+
+    @property
+    def steps_in_backward(self) -> bool:
+        """Whether each unit steps as its grads land (``overlap_step`` True or ``"forward"``)."""
+        return self.overlap_step is True or self.overlap_step == "forward"
 
     @property
     def grads_on_host(self) -> bool:
@@ -263,6 +278,7 @@ class UnitOffload:
         self.compute_shard: torch.Tensor | None = None  # params=False: the shard in the compute dtype
         self.shard_version = -1  # version() the compute shard was built from
         self.shard_ready: Any = None  # overlap_step: the event of an upload made ahead (refresh_ahead)
+        self.await_step: Callable[[], None] | None = None  # overlap_step="forward": waits for this unit's step
         self.host_grad_fresh = True  # the host grads were zeroed or consumed since the last copy
         self.landed = False  # overlap_step: this sync backward's grads were copied when they landed
         if grad is not None and policy.grads_on_host:
@@ -279,7 +295,11 @@ class UnitOffload:
     def gather_source(self) -> torch.Tensor:
         """The device tensor a gather of the unit starts from (call on the gather stream): the
         compute shard, refreshed from the host if the main weights changed, or (``params=True``)
-        a fresh device copy of the host main shard in its own dtype."""
+        a fresh device copy of the host main shard in its own dtype. With ``overlap_step="forward"``
+        it first waits for the unit's host step, which may still be running."""
+        if self.await_step is not None:
+            wait, self.await_step = self.await_step, None
+            wait()
         if not self.policy.main_params:
             return self.weight.data
         if self.compute_shard is None:

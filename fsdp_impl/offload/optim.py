@@ -70,15 +70,16 @@ def check_offload_optimizer(policy: OffloadPolicy | None, optimizer: torch.optim
     if not isinstance(policy, OffloadPolicy):
         return
     cls = user_class(optimizer)
-    if policy.overlap_step is True and not (_is_torch_adam(cls) or _is_fsdp_adam(cls)):
-        raise ValueError(f"offload_policy=OffloadPolicy(overlap_step=True) steps Adam/AdamW unit by unit "
-                         f"(fsdp_impl.optim.Adam/AdamW, torch.optim.Adam/AdamW), but the optimizer is "
+    if policy.steps_in_backward and not (_is_torch_adam(cls) or _is_fsdp_adam(cls)):
+        raise ValueError(f"offload_policy=OffloadPolicy(overlap_step={policy.overlap_step!r}) steps Adam/AdamW "
+                         f"unit by unit (fsdp_impl.optim.Adam/AdamW, torch.optim.Adam/AdamW), but the optimizer is "
                          f"{cls.__module__}.{cls.__qualname__}; use overlap_step='clip' or False for other optimizers")
-    if policy.overlap_step is True:
+    if policy.steps_in_backward:
         for i, group in enumerate(optimizer.param_groups):
             if group.get("differentiable", False):
-                raise ValueError(f"offload_policy=OffloadPolicy(overlap_step=True) cannot step a differentiable "
-                                 f"{cls.__name__} unit by unit (param group {i} has differentiable=True)")
+                raise ValueError(f"offload_policy=OffloadPolicy(overlap_step={policy.overlap_step!r}) cannot step "
+                                 f"a differentiable {cls.__name__} unit by unit (param group {i} has "
+                                 "differentiable=True)")
     if policy.step != "gpu":
         return
     if not (_is_torch_adam(cls) or _is_fsdp_adam(cls)):
@@ -364,9 +365,11 @@ class OffloadedAdamStep:
 
 
 def torch_kernel(optimizer: torch.optim.Optimizer, cls: type, gi: int,
-                 items: list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]]) -> None:
-    """``torch.optim.adam.adam`` with the group's flags, as ``torch.optim.Adam.step`` calls it."""
-    group = optimizer.param_groups[gi]
+                 items: list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]],
+                 values: dict[str, Any] | None = None) -> None:
+    """``torch.optim.adam.adam`` with the group's flags, as ``torch.optim.Adam.step`` calls it
+    (``values``: the hyper-parameters to use instead of the live group's)."""
+    group = values if values is not None else optimizer.param_groups[gi]
     beta1, beta2 = group["betas"]
     amsgrad = group["amsgrad"]
     fn = _torch_adam_fn(bool(group.get("decoupled_weight_decay", issubclass(cls, torch.optim.AdamW))))
@@ -380,20 +383,24 @@ def torch_kernel(optimizer: torch.optim.Optimizer, cls: type, gi: int,
 
 
 def fsdp_kernel(optimizer: torch.optim.Optimizer, gi: int,
-                items: list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]]) -> None:
+                items: list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]],
+                values: dict[str, Any] | None = None) -> None:
     """``fsdp_impl.optim.Adam.step``'s path choice (fused / foreach / single) on the views."""
-    group = optimizer.param_groups[gi]
+    group = values if values is not None else optimizer.param_groups[gi]
     batch = [AdamTensors(param=v[PARAM], grad=v[GRAD], exp_avg=v["exp_avg"], exp_avg_sq=v["exp_avg_sq"],
                          max_exp_avg_sq=v.get("max_exp_avg_sq") if group["amsgrad"] else None,
                          step=_step_copy(e)) for e, v in items]
     step_group(group, batch)
 
 
-def host_step_units(optimizer: torch.optim.Optimizer, units: list[FSDPUnit], grad_of: GradOf) -> None:
+def host_step_units(optimizer: torch.optim.Optimizer, units: list[FSDPUnit], grad_of: GradOf,
+                    hyper: list[dict[str, Any]] | None = None) -> None:
     """``step="cpu"`` with ``overlap_step``: the optimizer's update of the params of ``units``
     on their host tensors, each param group's params in one kernel call, the lazy state made as
     the optimizer's own step makes it. Adam is elementwise per param (each has its own step
-    counter), so stepping the params unit by unit gives the numbers of one step over all."""
+    counter), so stepping the params unit by unit gives the numbers of one step over all.
+    ``hyper``: each group's hyper-parameters to step with (the values of the cycle's start; the
+    live groups may have moved on, e.g. a scheduler after ``step()`` with ``"forward"``)."""
     cls = user_class(optimizer)
     owned = {id(mp.sharded): (unit, mp) for unit in units for mp in unit.trainable}
     for gi, group in enumerate(optimizer.param_groups):
@@ -412,7 +419,9 @@ def host_step_units(optimizer: torch.optim.Optimizer, units: list[FSDPUnit], gra
                     views[key] = local_tensor(state[key])
             items.append((StreamEntry(gi, views, None, {"step": state["step"], "staged": state["step"]}), views))
         if items:
-            (torch_kernel(optimizer, cls, gi, items) if _is_torch_adam(cls) else fsdp_kernel(optimizer, gi, items))
+            values = hyper[gi] if hyper is not None else group
+            (torch_kernel(optimizer, cls, gi, items, values) if _is_torch_adam(cls)
+             else fsdp_kernel(optimizer, gi, items, values))
             for entry, _ in items:
                 entry.extra["step"].add_(1)
     for unit in units:

@@ -39,7 +39,7 @@ join it, and a finalizer stops it if the optimizer goes away with a cycle open.
 """
 from __future__ import annotations
 
-import queue
+import functools
 import threading
 import time
 import weakref
@@ -52,6 +52,7 @@ from torch.profiler import record_function
 
 from ..device import CommStream, current, record_current, wait_on_host
 from ..placement import local_tensor
+from .worker import StepWorker
 
 if TYPE_CHECKING:
     from ..engine import FSDPEngine
@@ -59,66 +60,7 @@ if TYPE_CHECKING:
     from ..unit import FSDPUnit
     from .host import OffloadPolicy
 
-_WORKER_NAME = "fsdp-offload-step"
-_STOP = None  # the worker's end-of-cycle sentinel
-
-
-def _work(tasks: queue.SimpleQueue, errors: list[BaseException], threads: int) -> None:
-    """The worker thread's loop: run tasks in order until the sentinel; after a failure the
-    remaining tasks are skipped (the cycle is lost), the error is kept for ``join``."""
-    torch.set_num_threads(threads)  # the caller's intra-op width: same kernel splits, same bits
-    while True:
-        task = tasks.get()
-        if task is _STOP:
-            return
-        if errors:
-            continue
-        try:
-            task()
-        except BaseException as error:
-            errors.append(error)
-
-
-def _stop(tasks: queue.SimpleQueue, thread: threading.Thread) -> None:
-    """Finalizer: end a worker whose controller went away (never from the worker itself)."""
-    tasks.put(_STOP)
-    if thread is not threading.current_thread():
-        thread.join()
-
-
-class StepWorker:
-    """One thread running the tasks of one cycle in submission order (deterministic: one
-    thread); ``join`` ends it and re-raises the first error of a task in the calling thread."""
-
-    def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._errors: list[BaseException] = []
-        self._thread = threading.Thread(target=_work, args=(self._tasks, self._errors, torch.get_num_threads()),
-                                        name=_WORKER_NAME, daemon=True)
-        self._thread.start()
-        self._finalizer = weakref.finalize(self, _stop, self._tasks, self._thread)
-        self.failure: BaseException | None = None  # a task error seen by join_after_failure
-
-    def submit(self, task: Callable[[], None]) -> None:
-        self._tasks.put(task)
-
-    def join(self) -> None:
-        """Wait for every submitted task; raise the first task error (its own exception). May be
-        called again: the thread is ended once, the error raised each time."""
-        self._finalizer()  # puts the sentinel and joins, the first time only
-        if self._errors:
-            raise self._errors[0]
-
-    def join_after_failure(self) -> None:
-        """Join when another error is being raised (the task error, if any, is its cause)."""
-        try:
-            self.join()
-        except BaseException as error:
-            self.failure = error
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+_MODEL_STRIDE = 1 << 32  # forward-order keys: models of a cycle apart by more units than any model has
 
 
 @dataclass
@@ -189,7 +131,10 @@ class OverlappedStep:
         self.device = device
         # off the compute stream: step="gpu": the overlapped step's math; "cpu": the uploads made ahead
         self.stream = CommStream(device)
+        self.steps = policy.steps_in_backward  # True or "forward": units step as their grads land
+        self.runs_on = policy.overlap_step == "forward"  # and the step runs on into the next forward
         self.cycle: _Cycle | None = None
+        self.stepping: _Cycle | None = None  # "forward": a consumed cycle whose worker may still run
         self.last_times: OverlapTimes | None = None  # the last consumed cycle's timestamps (bench)
 
     @property
@@ -249,8 +194,9 @@ class OverlappedStep:
         """The open cycle, or a new one (after consuming or refusing the previous one: ``engine``
         ends its backward twice in one cycle). Several models may share the optimizer: each
         joins the cycle with its own backward."""
+        self.join_stepping()  # the last step's units are done before new grads land
         if self.cycle is not None and any(engine is d for d in self.cycle.done):
-            if self.mode is True:
+            if self.steps:
                 self._refuse("a sync backward ran again before optimizer.step() followed the previous one: with "
                              "OffloadPolicy(overlap_step=True) every sync backward steps the params as its grads "
                              "land, so call optimizer.step() after each (or use overlap_step=False)")
@@ -266,12 +212,12 @@ class OverlappedStep:
     def _submit(self, cycle: _Cycle, engine: FSDPEngine, unit: FSDPUnit, event: Any) -> None:
         cycle.units.append(unit)
         decoupled = engine.config.use_decoupled_grad
-        if self.mode is True:
-            work: Callable[[], None] = lambda: self._step_unit(unit, decoupled, event)  # noqa: E731
+        if self.steps:
+            work: Callable[[], None] = lambda: self._step_unit(cycle, unit, decoupled, event)  # noqa: E731
         else:
             work = lambda: self._norms_of(cycle, unit, decoupled)  # noqa: E731
 
-        label = f"FSDP::overlap_{'step' if self.mode is True else 'norms'} ({unit.name})"
+        label = f"FSDP::overlap_{'step' if self.steps else 'norms'} ({unit.name})"
 
         def task() -> None:
             start = time.perf_counter()
@@ -281,10 +227,20 @@ class OverlappedStep:
                     work()
             cycle.times.busy.append((start, time.perf_counter()))
 
-        cycle.worker.submit(task)
+        done = cycle.worker.submit(task, _forward_order(cycle, engine, unit))
+        if self.runs_on:  # the next forward's gather of the unit waits for this task
+            assert unit.offload is not None
+            unit.offload.await_step = functools.partial(self._await_unit, cycle, done)
+
+    def _await_unit(self, cycle: _Cycle, done: threading.Event) -> None:
+        """``"forward"``: a gather of the next forward waits for its unit's step (main thread);
+        a failed worker ends the running-on step, raising its error."""
+        done.wait()
+        if cycle.worker.failed and self.stepping is cycle:
+            self.join_stepping()
 
     # --------------------------------------------------------------- the worker
-    def _step_unit(self, unit: FSDPUnit, decoupled: bool, landed: Any) -> None:
+    def _step_unit(self, cycle: _Cycle, unit: FSDPUnit, decoupled: bool, landed: Any) -> None:
         """``overlap_step=True``: the unit's update (worker thread); with ``step="cpu"`` also the
         upload of its new weights to the device, made now instead of in the next forward
         (``UnitOffload.refresh_ahead``; ``landed``: the event of the unit's grad landing)."""
@@ -293,8 +249,8 @@ class OverlappedStep:
         if optimizer is None:
             return
         grad_of = _grad_reader(decoupled)
-        if self.policy.step == "cpu":
-            host_step_units(optimizer, [unit], grad_of)
+        if self.policy.step == "cpu":  # with the hyper-parameters of the cycle's start (checked at step())
+            host_step_units(optimizer, [unit], grad_of, cycle.snapshot)
             assert unit.offload is not None
             unit.offload.refresh_ahead(self.stream, landed)
             return
@@ -325,48 +281,83 @@ class OverlappedStep:
     # ------------------------------------------------------------- optimizer.step
     def pending_steps(self) -> bool:
         """An ``overlap_step=True`` cycle that stepped units and awaits ``optimizer.step()``."""
-        return self.mode is True and self.cycle is not None
+        return self.steps and self.cycle is not None
 
     def finish(self) -> None:
-        """``optimizer.step()`` after an ``overlap_step=True`` backward: wait for the units'
-        steps, re-raise a failure, refuse what changed since the backward, consume the cycle."""
+        """``optimizer.step()`` after an ``overlap_step=True``/``"forward"`` backward: refuse what
+        changed since the backward, re-raise a failure, consume the cycle. ``True`` first waits
+        for the units' steps; ``"forward"`` lets the worker run on, first unit first
+        (``stepping``), until the next forward's gathers or ``join_stepping``."""
         cycle = self.cycle
         assert cycle is not None
         self.cycle = None
-        cycle.worker.join()
-        cycle.times.step_end = time.perf_counter()
-        self.last_times = cycle.times
+        if not self.runs_on:
+            try:
+                cycle.worker.join()
+            finally:
+                self._ended(cycle)
+        try:
+            self._check_consumable(cycle)
+        except BaseException:
+            if self.runs_on:
+                cycle.worker.join_after_failure()
+                self._ended(cycle)
+            raise
+        if self.runs_on:
+            cycle.worker.by_unit_order()
+            self.stepping = cycle
+
+    def _check_consumable(self, cycle: _Cycle) -> None:
         optimizer = self.optimizer
         assert optimizer is not None
+        mode = f"OffloadPolicy(overlap_step={self.mode!r})"
         if not cycle.finished:
-            raise RuntimeError("optimizer.step() ran inside a backward with OffloadPolicy(overlap_step=True); call it "
-                               "after the backward")
+            raise RuntimeError(f"optimizer.step() ran inside a backward with {mode}; call it after the backward")
         for attr in ("grad_scale", "found_inf"):
             if getattr(optimizer, attr, None) is not None:
-                raise RuntimeError(f"optimizer.{attr} is set (a GradScaler step): OffloadPolicy(overlap_step=True) "
-                                   "stepped during the backward, before the scaler could unscale or skip; use "
-                                   "overlap_step=False")
+                raise RuntimeError(f"optimizer.{attr} is set (a GradScaler step): {mode} stepped during the backward, "
+                                   "before the scaler could unscale or skip; use overlap_step=False")
         for i, (then, now) in enumerate(zip(cycle.snapshot, _hyper(optimizer.param_groups), strict=False)):
             changed = sorted(k for k in set(then) | set(now) if not _same(then.get(k), now.get(k)))
             if changed:
                 raise RuntimeError(f"param group {i}'s {changed} changed between the backward and optimizer.step(): "
-                                   "with OffloadPolicy(overlap_step=True) each unit stepped during the backward with "
+                                   f"with {mode} each unit stepped during the backward with "
                                    "the values of then; change them before the backward (e.g. scheduler.step() "
                                    "right after optimizer.step()), or use overlap_step=False")
         for data, version in cycle.grad_marks:
             if data._version != version:
-                raise RuntimeError("the grads were changed in place between the backward and optimizer.step(): with "
-                                   "OffloadPolicy(overlap_step=True) the units stepped on the grads as they landed; "
+                raise RuntimeError(f"the grads were changed in place between the backward and optimizer.step(): with "
+                                   f"{mode} the units stepped on the grads as they landed; "
                                    "use overlap_step='clip' to clip, or overlap_step=False")
+
+    def _ended(self, cycle: _Cycle) -> None:
+        cycle.times.step_end = time.perf_counter()
+        self.last_times = cycle.times
+
+    def join_stepping(self) -> None:
+        """``"forward"``: wait for the units of the last ``optimizer.step()`` that still step, and
+        re-raise the worker's failure (no-op when none runs on)."""
+        cycle, self.stepping = self.stepping, None
+        if cycle is None:
+            return
+        for unit in cycle.units:
+            if unit.offload is not None:
+                unit.offload.await_step = None
+        try:
+            cycle.worker.join()
+        finally:
+            self._ended(cycle)
 
     def close(self) -> None:
         """Join and drop the open cycle (``"clip"``: before the step or a new backward; the
-        steps were never started)."""
+        steps were never started), after the units of a step still running on (``"forward"``)."""
+        self.join_stepping()
         cycle, self.cycle = self.cycle, None
         if cycle is not None:
-            cycle.worker.join()
-            cycle.times.step_end = time.perf_counter()
-            self.last_times = cycle.times
+            try:
+                cycle.worker.join()
+            finally:
+                self._ended(cycle)
 
     # ------------------------------------------------------------------ guards
     def _refuse(self, message: str) -> NoReturn:
@@ -379,21 +370,28 @@ class OverlappedStep:
 
     def before_forward(self, engine: FSDPEngine) -> None:
         """The next forward of ``engine`` would read weights an ``overlap_step=True`` cycle is
-        writing (the forward of another model sharing the optimizer may run)."""
+        writing (the forward of another model sharing the optimizer may run). ``"forward"``
+        after ``step()``: each unit's gather waits for its step, where every unit gathers from
+        its host shard in each forward (ZeRO-3 without FP8 params); otherwise wait for all now."""
+        if self.stepping is not None and self.stepping.has(engine) and not _gathers_every_forward(engine):
+            self.join_stepping()
         if self.pending_steps():
             assert self.cycle is not None
             if not self.cycle.has(engine):
                 return
-            self._refuse("a forward ran after a backward with OffloadPolicy(overlap_step=True) but before "
+            self._refuse(f"a forward ran after a backward with OffloadPolicy(overlap_step={self.mode!r}) but before "
                          "optimizer.step(): the params were already updated on that backward's grads; call "
                          "optimizer.step() after every sync backward (or use overlap_step=False)")
 
-    def before_zero_grad(self) -> None:
-        """``zero_grad`` would reset host grads the worker may still read."""
+    def before_zero_grad(self, free: bool = True) -> None:
+        """``zero_grad`` would reset host grads the worker may still read (``free=False`` zeroes
+        them: it waits for a step running on; ``True`` only drops the ``.grad`` views)."""
+        if not free:
+            self.join_stepping()
         if self.cycle is None:
             return
-        if self.mode is True:
-            self._refuse("zero_grad() ran after a backward with OffloadPolicy(overlap_step=True) but before "
+        if self.steps:
+            self._refuse(f"zero_grad() ran after a backward with OffloadPolicy(overlap_step={self.mode!r}) but before "
                          "optimizer.step(): the units already stepped on those grads, they cannot be dropped; "
                          "call optimizer.step() first (or use overlap_step=False to skip steps)")
         self.close()
@@ -402,11 +400,13 @@ class OverlappedStep:
         """``clip_grad_norm``: refuse after an ``overlap_step=True`` backward; with ``"clip"``,
         wait for the norms and return a lookup of a local grad's precomputed norm (None when it
         is not one of this backward's grads, changed since, or asked in another norm/dtype)."""
+        self.join_stepping()
         cycle = self.cycle
         if cycle is None:
             return _no_norm
-        if self.mode is True:
-            raise RuntimeError("clip_grad_norm after a backward with OffloadPolicy(overlap_step=True): the optimizer "
+        if self.steps:
+            raise RuntimeError(f"clip_grad_norm after a backward with OffloadPolicy(overlap_step={self.mode!r}): the "
+                               "optimizer "
                                "already stepped each unit as its grads landed, so clipping now would scale grads that "
                                "were already applied; use OffloadPolicy(overlap_step='clip') (grad copies and norms "
                                "overlap the backward, the step waits for the norm) or overlap_step=False")
@@ -427,6 +427,20 @@ class OverlappedStep:
 
 def _no_norm(t: torch.Tensor, norm_type: float, dtype: torch.dtype) -> torch.Tensor | None:
     return None
+
+
+def _forward_order(cycle: _Cycle, engine: FSDPEngine, unit: FSDPUnit) -> int:
+    """Where ``unit`` comes in the next forward: the models of the cycle in order, in each the
+    root first (it gathers at the model's start; ``engine.units`` lists it last), then the units."""
+    position = -1 if unit is engine.root else next(i for i, u in enumerate(engine.units) if u is unit)
+    model = next(i for i, e in enumerate(cycle.engines) if e is engine)
+    return model * _MODEL_STRIDE + position + 1
+
+
+def _gathers_every_forward(engine: FSDPEngine) -> bool:
+    """Every offloaded unit of ``engine`` reads its host shard through ``UnitOffload.gather_source``
+    in each forward (ZeRO-3 without FP8 params), so a per-unit wait there covers the forward."""
+    return all(u.ctx.zero3 and u.fp8 is None for u in engine.units if u.offload is not None)
 
 
 def _grad_reader(decoupled: bool) -> Callable[[FSDPUnit, ManagedParam], torch.Tensor]:
@@ -480,9 +494,36 @@ def attach_overlap(optimizer: torch.optim.Optimizer, engines: list[FSDPEngine], 
     if overlap is None:
         overlap = OverlappedStep(optimizer, policy, engines[0].ctx.device)
         optimizer.__dict__[OVERLAP_ATTR] = overlap
+        # "forward": reading or loading the optimizer state waits for a step still running on
+        optimizer.register_state_dict_pre_hook(_join_before_state_dict)
+        optimizer.register_load_state_dict_pre_hook(_join_before_load)
     for engine in engines:
         if engine.offload is not None:
             engine.offload.overlap = overlap
+
+
+def _join_before_state_dict(optimizer: torch.optim.Optimizer) -> None:
+    wait_for_step(optimizer)
+
+
+def _join_before_load(optimizer: torch.optim.Optimizer, state_dict: Any) -> None:
+    wait_for_step(optimizer)
+
+
+def wait_for_step(optimizer: torch.optim.Optimizer) -> None:
+    """``OffloadPolicy(overlap_step="forward")``: return once every unit of the last
+    ``optimizer.step()`` has stepped (the params and optimizer state are final), re-raising a
+    failure of the host step; a no-op for any other optimizer or when nothing runs on."""
+    from .optim import OVERLAP_ATTR
+    overlap = optimizer.__dict__.get(OVERLAP_ATTR)
+    if isinstance(overlap, OverlappedStep):
+        overlap.join_stepping()
+
+
+def wait_for_model_step(engine: FSDPEngine) -> None:
+    """``wait_for_step`` for the optimizer bound to ``engine`` (the model's state-dict hooks)."""
+    if engine.offload is not None and engine.offload.overlap is not None:
+        engine.offload.overlap.join_stepping()
 
 
 def hidden_share(times: OverlapTimes | None) -> float | None:
@@ -490,4 +531,5 @@ def hidden_share(times: OverlapTimes | None) -> float | None:
     return times.hidden_share() if times is not None else None
 
 
-__all__ = ["OverlapTimes", "OverlappedStep", "StepWorker", "attach_overlap", "clip_norm_lookup", "hidden_share"]
+__all__ = ["OverlapTimes", "OverlappedStep", "StepWorker", "attach_overlap", "clip_norm_lookup", "hidden_share",
+           "wait_for_model_step", "wait_for_step"]

@@ -150,7 +150,8 @@ def test_overlap_refuses_what_it_cannot_keep_exact(dist_env) -> None:
     re-raised by step(); no thread survives any of it."""
     device = dist_env.device
     for bad in ("yes", 1, None):
-        with pytest.raises(ValueError, match=r"OffloadPolicy\.overlap_step must be one of \(False, True, 'clip'\)"):
+        allowed = r"\(False, True, 'clip', 'forward'\)"
+        with pytest.raises(ValueError, match=r"OffloadPolicy\.overlap_step must be one of " + allowed):
             fsdp_impl.OffloadPolicy(step="cpu", pin_memory=False, overlap_step=bad)
     with pytest.raises(ValueError, match=r"overlap_step=True.*grads must be on the host"):
         fsdp_impl.OffloadPolicy(main_params=False, grads=False, pin_memory=False, overlap_step=True)

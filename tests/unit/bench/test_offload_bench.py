@@ -49,6 +49,11 @@ def test_a_cell_runs_in_its_own_process_and_a_failure_is_a_row() -> None:
     assert 0.0 <= row["overlap_share"] <= 1.0 and row["overlap_total_ms"] > 0, row
     hostall = offload_bench._spawn("ours-cpu-hostall-overlap", "tiny", args)  # gathers from the host shard
     assert hostall["status"] == "ok" and hostall["losses"] == row["losses"], (hostall, row)
+    args.steps = 2  # the step running on into the forward: the same losses, its share measured
+    runs_on = offload_bench._spawn("ours-cpu-hostall-forward", "tiny", args)
+    base = offload_bench._spawn("ours-cpu-hostall-overlap", "tiny", args)
+    assert runs_on["status"] == "ok" and runs_on["losses"] == base["losses"], (runs_on, base)
+    assert 0.0 <= runs_on["overlap_share"] <= 1.0 and runs_on["overlap_total_ms"] > 0, runs_on
     if not torch.cuda.is_available():
         row = offload_bench._spawn("ours-gpu", "tiny", args)
         assert row["status"] == "error" and row["cell"] == "ours-gpu", row
@@ -59,7 +64,9 @@ def test_overlap_cells_their_policy_bytes_and_hidden_share() -> None:
     """The -overlap/-clip suffixes pick overlap_step and move the bytes of their base cell; the
     hidden share is the overlapped host time before the backward ended over all of it."""
     assert [offload_bench.overlap_mode(c) for c in ("ours-cpu", "ours-cpu-clip", "ours-gpu-overlap",
-                                                    "ours-gpu-overlap-clip")] == [False, False, True, "clip"]
+                                                    "ours-gpu-overlap-clip", "ours-cpu-hostall-forward")] == [
+        False, False, True, "clip", "forward"]
+    assert offload_bench.base_cell("ours-cpu-hostall-forward") == "ours-cpu-hostall"
     assert offload_bench.base_cell("ours-gpu-overlap-clip") == "ours-gpu"
     assert offload_bench.offload_bytes("ours-cpu-overlap", 10) == offload_bench.offload_bytes("ours-cpu", 10)
     assert offload_bench.offload_bytes("ours-cpu", 10) == (40, 40)

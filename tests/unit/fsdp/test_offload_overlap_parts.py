@@ -12,7 +12,8 @@ import torch.nn as nn
 
 from fsdp_impl.offload.host import OffloadPolicy
 from fsdp_impl.offload.optim import check_offload_optimizer
-from fsdp_impl.offload.overlap import OverlapTimes, StepWorker
+from fsdp_impl.offload.overlap import OverlapTimes
+from fsdp_impl.offload.worker import StepWorker
 
 
 def _workers() -> list[threading.Thread]:
@@ -26,7 +27,8 @@ def test_overlap_step_accepts_its_values(value: object) -> None:
 
 @pytest.mark.parametrize("value", ["yes", "Clip", 1, 0, None, 1.0])
 def test_overlap_step_names_its_allowed_values(value: object) -> None:
-    with pytest.raises(ValueError, match=r"^OffloadPolicy\.overlap_step must be one of \(False, True, 'clip'\), got "):
+    allowed = r"\(False, True, 'clip', 'forward'\)"
+    with pytest.raises(ValueError, match=r"^OffloadPolicy\.overlap_step must be one of " + allowed + ", got "):
         OffloadPolicy(overlap_step=value)  # type: ignore[arg-type]
 
 

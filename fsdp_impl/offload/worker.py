@@ -1,0 +1,129 @@
+"""The overlap worker (``OffloadPolicy.overlap_step``): one thread per cycle running the units'
+tasks (steps or norms), in submission order or, once a step runs on into the next forward, in
+forward order; each task's event is set when it ran, so a gather can wait for its unit."""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+
+_WORKER_NAME = "fsdp-offload-step"
+
+
+class _Tasks:
+    """The worker's queue: submission order, or (``by_unit_order``, from the end of a backward
+    whose step runs on into the next forward) lowest unit order first, so the next forward's
+    first units are the first done. Order does not change the numbers: the units' steps are
+    independent. Each task comes with the event set once it ran or was skipped."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: list[tuple[int, Callable[[], None], threading.Event]] = []
+        self._closed = False
+        self._by_order = False
+
+    def put(self, task: Callable[[], None], order: int, done: threading.Event) -> None:
+        with self._cond:
+            self._items.append((order, task, done))
+            self._cond.notify()
+
+    def by_unit_order(self) -> None:
+        with self._cond:
+            self._by_order = True
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def get(self) -> tuple[Callable[[], None], threading.Event] | None:
+        """The next task (blocking), or None once closed and empty."""
+        with self._cond:
+            while not self._items and not self._closed:
+                self._cond.wait()
+            if not self._items:
+                return None
+            pick = min(range(len(self._items)), key=lambda i: self._items[i][0]) if self._by_order else 0
+            _, task, done = self._items.pop(pick)
+            return task, done
+
+
+def _work(tasks: _Tasks, errors: list[BaseException], threads: int) -> None:
+    """The worker thread's loop: run tasks until the queue closes; after a failure the remaining
+    tasks are skipped (the cycle is lost), the error is kept for ``join``. Every task's event is
+    set, run or skipped, so nothing waiting on a unit hangs."""
+    torch.set_num_threads(threads)  # the caller's intra-op width: same kernel splits, same bits
+    while True:
+        item = tasks.get()
+        if item is None:
+            return
+        task, done = item
+        try:
+            if not errors:
+                task()
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            done.set()
+
+
+def _stop(tasks: _Tasks, thread: threading.Thread) -> None:
+    """Finalizer: end a worker whose controller went away (never from the worker itself)."""
+    tasks.close()
+    if thread is not threading.current_thread():
+        thread.join()
+
+
+class StepWorker:
+    """One thread running the tasks of one cycle (submission order, or unit order once asked);
+    ``join`` ends it and re-raises the first error of a task in the calling thread."""
+
+    def __init__(self) -> None:
+        self._tasks = _Tasks()
+        self._errors: list[BaseException] = []
+        self._thread = threading.Thread(target=_work, args=(self._tasks, self._errors, torch.get_num_threads()),
+                                        name=_WORKER_NAME, daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop, self._tasks, self._thread)
+        self.failure: BaseException | None = None  # a task error seen by join_after_failure
+
+    def submit(self, task: Callable[[], None], order: int = 0) -> threading.Event:
+        """Queue ``task``; the returned event is set once it ran (or was skipped after a failure)."""
+        done = threading.Event()
+        self._tasks.put(task, order, done)
+        return done
+
+    def by_unit_order(self) -> None:
+        """From now on run the queued tasks lowest ``order`` first."""
+        self._tasks.by_unit_order()
+
+    def raise_failure(self) -> None:
+        """Re-raise the first task error, if any, without ending the thread."""
+        if self._errors:
+            raise self._errors[0]
+
+    def join(self) -> None:
+        """Wait for every submitted task; raise the first task error (its own exception). May be
+        called again: the thread is ended once, the error raised each time."""
+        self._finalizer()  # closes the queue and joins, the first time only
+        self.raise_failure()
+
+    def join_after_failure(self) -> None:
+        """Join when another error is being raised (the task error, if any, is its cause)."""
+        try:
+            self.join()
+        except BaseException as error:
+            self.failure = error
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def failed(self) -> bool:
+        return bool(self._errors)
+
+
+__all__ = ["StepWorker"]
