@@ -204,7 +204,7 @@ class OverlappedStep:
         if self.cycle is None:
             optimizer = self.optimizer
             assert optimizer is not None
-            self.cycle = _Cycle(StepWorker(), _hyper(optimizer.param_groups))
+            self.cycle = _Cycle(StepWorker(quick_gil=self.runs_on), _hyper(optimizer.param_groups))
         if not self.cycle.has(engine):
             self.cycle.engines.append(engine)
         return self.cycle

@@ -10,6 +10,7 @@ step finished shows as a difference of order lr.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any
@@ -130,10 +131,12 @@ def test_what_waits_for_a_step_running_on(dist_env, monkeypatch: pytest.MonkeyPa
              "zero_grad(set_to_none=False)": lambda: opt.zero_grad(set_to_none=False),
              "clip_grad_norm": lambda: fsdp_impl.clip_grad_norm(model, 1.0),
              "wait_for_step": lambda: fsdp_impl.wait_for_step(opt)}
+    interval = sys.getswitchinterval()
     _loss(model, 0, device).backward()
     opt.step()
     opt.zero_grad()
     assert ctl.stepping is not None, "zero_grad(set_to_none=True) must not wait"
+    assert sys.getswitchinterval() < interval, "the GIL switch interval is lowered while the step runs on"
     for step, (what, call) in enumerate(waits.items(), start=1):
         _loss(model, step, device).backward()
         opt.step()
@@ -142,6 +145,7 @@ def test_what_waits_for_a_step_running_on(dist_env, monkeypatch: pytest.MonkeyPa
         assert ctl.stepping is None, f"{what} did not wait for the step"
         _no_worker_left()
         opt.zero_grad()
+    assert sys.getswitchinterval() == interval, "the interval is given back once the step is done"
     _slow_host_step(monkeypatch, fail_on=model._fsdp_engine.units[0].name)
     _loss(model, 9, device).backward()
     opt.step()

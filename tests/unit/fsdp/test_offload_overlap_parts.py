@@ -4,6 +4,7 @@ The overlapped training itself is checked on gloo in ``tests/functional/test_off
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 
 import pytest
@@ -13,7 +14,7 @@ import torch.nn as nn
 from fsdp_impl.offload.host import OffloadPolicy
 from fsdp_impl.offload.optim import check_offload_optimizer
 from fsdp_impl.offload.overlap import OverlapTimes
-from fsdp_impl.offload.worker import StepWorker
+from fsdp_impl.offload.worker import FORWARD_SWITCH_INTERVAL_S, StepWorker
 
 
 def _workers() -> list[threading.Thread]:
@@ -76,6 +77,35 @@ def test_worker_error_is_reraised_and_later_tasks_are_skipped() -> None:
     with pytest.raises(ZeroDivisionError, match="task two"):
         worker.join()
     assert seen == ["a"] and not worker.alive
+
+
+def test_worker_picks_forward_order_once_asked_and_sets_each_tasks_event() -> None:
+    """Landing order until ``by_unit_order``, then lowest order first; every task's event is set,
+    also for a task skipped after a failure (a gather waiting on it must not hang)."""
+    seen: list[int] = []
+    gate = threading.Event()
+    worker = StepWorker()
+    worker.submit(gate.wait, order=99)  # holds the worker until the rest is queued
+    events = [worker.submit(lambda i=i: seen.append(i), order=i) for i in (5, 3, 4)]
+    failing = worker.submit(lambda: (_ for _ in ()).throw(KeyError("x")), order=6)
+    skipped = worker.submit(lambda: seen.append(-1), order=7)
+    worker.by_unit_order()
+    gate.set()
+    with pytest.raises(KeyError):
+        worker.join()
+    assert seen == [3, 4, 5] and all(e.is_set() for e in events) and failing.is_set() and skipped.is_set()
+    assert worker.failed
+
+
+def test_a_running_on_worker_lowers_the_gil_switch_interval_until_joined() -> None:
+    before = sys.getswitchinterval()
+    worker = StepWorker(quick_gil=True)
+    assert sys.getswitchinterval() == pytest.approx(FORWARD_SWITCH_INTERVAL_S)
+    worker.join()
+    assert sys.getswitchinterval() == before
+    plain = StepWorker()
+    assert sys.getswitchinterval() == before
+    plain.join()
 
 
 def test_a_dropped_worker_ends_its_thread() -> None:
