@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .assembly import MeshArgs, wrap_model
-from .compile_units import CompileUnits, parse_compile_units
+from .compile_units import CompileUnits, check_compile_units_fits, parse_compile_units
 from .compile_units import compile_units as apply_compile_units
 from .config import CONFIG_ARGUMENTS, FSDPConfig
 from .dcp_optim_state import PlaceholderStateHook
@@ -170,6 +170,7 @@ def fully_shard(
         check_optimizer_capturable(optimizer)
     check_offload_optimizer(config.offload_policy, optimizer)
     compile_options = parse_compile_units(compile_units)  # fail before wrapping
+    check_compile_units_fits(compile_options, module, config.enable_fine_grained_param_gather)
     model = _wrap(module, config, arguments)
     if compile_options is not None:
         apply_compile_units(model, compile_options)

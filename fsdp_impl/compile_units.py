@@ -49,6 +49,33 @@ class CompileOptions:
     options: dict[str, Any] | None = None
 
 
+def check_compile_units_fits(opts: CompileOptions | None, module: nn.Module,
+                             fine_grained_gather: bool) -> None:
+    """Before the wrap: refuse what ``compile_units`` cannot keep as documented.
+
+    * ``fullgraph=True`` with ``enable_fine_grained_param_gather``: that mode hooks every
+      submodule holding params, inside the unit's compiled forward; the hooks are eager engine
+      code, so Dynamo would have to break the graph there (with ``fullgraph=False`` it does, and
+      the numbers equal eager's: tested).
+    * TransformerEngine modules: TE's modules run their own fused kernels and FP8 state; compiling
+      them per unit was never verified here (TE 2.20), so it is refused rather than run untested.
+    """
+    if opts is None:
+        return
+    if opts.fullgraph and fine_grained_gather:
+        raise ValueError("compile_units={'fullgraph': True} cannot be combined with enable_fine_grained_param_gather="
+                         "True: that mode hooks every submodule holding params inside each unit's compiled forward, "
+                         "where Dynamo must break the graph; pass compile_units with fullgraph=False (the graph "
+                         "breaks at each such submodule) or enable_fine_grained_param_gather=False")
+    te = [(name, type(m)) for name, m in module.named_modules() if type(m).__module__.startswith("transformer_engine")]
+    if te:
+        name, cls = te[0]
+        raise ValueError(f"compile_units with TransformerEngine modules ({len(te)}, e.g. {name or 'the model'!r}: "
+                         f"{cls.__module__}.{cls.__qualname__}) is not supported: TE's modules run their own fused "
+                         "kernels and FP8 state and were not verified under torch.compile here; wrap without "
+                         "compile_units (TE's modules are fused already), or use torch-native FP8 (fsdp_impl.fp8)")
+
+
 def parse_compile_units(value: Any) -> CompileOptions | None:
     """``compile_units=`` as passed to ``fully_shard``: None when off, else the checked options.
     Runs before the wrap, so a bad value fails before any buffer or collective exists."""

@@ -154,6 +154,19 @@ def test_checkpoint_wrapper_as_the_unit_compiles_the_recompute(dist_env) -> None
     assert all(u.calls == STEPS for u in model.compile_stats.units.values()), model.compile_stats
 
 
+def test_fine_grained_param_gather_breaks_the_graph_per_submodule_and_stays_exact(dist_env) -> None:
+    """``enable_fine_grained_param_gather`` hooks every submodule holding params inside the unit's
+    compiled forward: with fullgraph=False Dynamo breaks the graph there and the run equals eager
+    bit for bit (fullgraph=True is refused before the wrap: test_compile_units_args.py)."""
+    want, got, ref, model = run_pair(GraphCase(3), compile_units={**AOT, "fullgraph": False},
+                                     enable_fine_grained_param_gather=True)
+    assert [x.item() for x in got] == [x.item() for x in want]
+    assert_params_equal(full_params(model), full_params(ref), "fine-grained gather, compiled vs eager")
+    stats = model.compile_stats
+    assert stats.graph_breaks > 0, "the submodule hooks inside the compiled forward must break the graph"
+    assert_compiled(stats, units=3, breaks=stats.graph_breaks, exact=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", [2, 3])
 def test_torch_native_fp8_bit_for_bit(strategy: int, dist_env) -> None:

@@ -40,3 +40,28 @@ def test_bad_values_fail_before_wrapping(value, error, match) -> None:
     with pytest.raises(error, match=match):  # through fully_shard: before any process group is needed
         fsdp_impl.fully_shard(module, torch.optim.SGD(module.parameters(), lr=0.1), compile_units=value)
     assert isinstance(module.weight, nn.Parameter) and torch.equal(module.weight, before)
+
+
+class _FakeTELinear(nn.Linear):
+    """Stands for a TransformerEngine module (CPU CI has no TE): only its class's module path counts."""
+
+
+_FakeTELinear.__module__ = "transformer_engine.pytorch.module.linear"
+
+
+@pytest.mark.parametrize(("kwargs", "make", "match"), [
+    (dict(compile_units={"fullgraph": True}, enable_fine_grained_param_gather=True), lambda: nn.Linear(2, 2),
+     r"fullgraph': True\} cannot be combined with enable_fine_grained_param_gather=True.*fullgraph=False"),
+    (dict(compile_units=True), lambda: nn.Sequential(nn.Linear(2, 2), _FakeTELinear(2, 2)),
+     r"compile_units with TransformerEngine modules \(1, e.g. '1': transformer_engine\.pytorch\.module\.linear\."
+     r"_FakeTELinear\) is not supported"),
+])
+def test_what_compile_units_cannot_keep_fails_before_wrapping(kwargs, make, match) -> None:
+    """fullgraph with the fine-grained gather's per-submodule hooks, and TE modules (never verified
+    under compile here), are refused before anything is sharded; the same model wraps without
+    compile_units (fine-grained with fullgraph=False runs: test_compile_units.py)."""
+    module = make()
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(ValueError, match=match):
+        fsdp_impl.fully_shard(module, torch.optim.SGD(module.parameters(), lr=0.1), **kwargs)
+    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before, strict=True))
