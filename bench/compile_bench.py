@@ -268,7 +268,7 @@ def configuration(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"{args.nproc_per_node}, model {args.model} ({compile_cells.MODEL_NOTES[args.model]}), size {args.size} "
             f"({compile_cells.params_of(args.model, cfg) / 1e9:.2f}B params, hidden {cfg.hidden}, "
             f"{cfg.layers} layers), micro-batch {args.micro_batch} x seq {cfg.seq}, {args.warmup} warm-up + "
-            f"{args.steps} timed steps, {args.reps} round(s), medians; backend {args.backend} (fullgraph except FP8), "
+            f"{args.steps} timed steps, {args.reps} round(s), medians; backend {args.backend} (fullgraph), "
             "AdamW(lr 1e-4, fused=True), bf16 compute, fp32 main params / grads / optimizer state.")
 
 

@@ -48,11 +48,6 @@ from bench.impls import LR, Trainee, flat_mesh, num_params_of
 from bench.llama import Llama, LlamaBlock, llama_params
 from bench.runtime import Env
 
-# Float8Linear's frames specialise per weight shape (4 per block) inside each unit's compiled
-# forward; Dynamo's default recompile limit (8) is then reached and compile_units reports it
-# (tests/unit/compile/test_compile_units.py raises it the same way, for the same reason).
-FP8_RECOMPILE_LIMIT = 64
-
 
 class CountingBackend:
     """A ``torch.compile`` backend that builds what ``torch.compile(backend=name)`` would and
@@ -142,7 +137,7 @@ def _cell(engine: str, compiled: bool, recompute: bool) -> Cell:
 CELLS: dict[str, Cell] = {c.name: c for c in (
     *[_cell(e, c, r) for r in (False, True) for c in (True, False) for e in ("ours", "fsdp2")],
     Cell("ours-fp8+compile", "fsdp_impl ZeRO-3, bf16 module, fp32 main, block linears torch-native Float8Linear FP8 "
-         "params (current scaling), keep transposes; compile_units (not fullgraph: Float8Linear breaks the graph); "
+         "params (current scaling), keep transposes; compile_units (fullgraph); "
          "AdamW(fused=True)", "ours", compiled=True, fp8=True, counterpart="te-fp8-ref", eager="ours-fp8"),
     Cell("ours-fp8", "as ours-fp8+compile, eager", "ours", fp8=True, counterpart="te-fp8-ref"),
     Cell("te-fp8-ref", impls.IMPLS["te-fp8-ref"].setup, "te", fp8=True),
@@ -186,9 +181,7 @@ def _build_ours(cell: Cell, module: nn.Module, env: Env, backend: str,
                        fp8_params=True)
         extra["keep_fp8_transpose_cache"] = True
     if cell.compiled:
-        extra["compile_units"] = {"backend": backend, "fullgraph": not cell.fp8}
-        if cell.fp8:
-            torch._dynamo.config.recompile_limit = max(FP8_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+        extra["compile_units"] = {"backend": backend, "fullgraph": True}
     policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
     model, opt = fsdp_impl.fully_shard(module, _adamw(module), fsdp_unit_modules=[block],
                                        zero_dp_strategy="optim_grads_params", mixed_precision_policy=policy,

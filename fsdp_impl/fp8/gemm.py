@@ -48,10 +48,13 @@ def pick_backend(a: Fp8Tensor, b: Fp8Tensor) -> str:
     return "emulated"
 
 
-@torch.compiler.disable
 def _count(backend: str) -> None:
-    """Outside Dynamo: traced, the increment would guard on the counter's value (a recompile per call)."""
-    gemm_calls[backend] += 1
+    """Eager calls only: under Dynamo the branch is dropped at trace time, so a compiled unit
+    neither graph-breaks here (a ``torch.compiler.disable``d counter broke the graph at every
+    GEMM) nor guards on the counter's value (a traced increment recompiled at every call);
+    compiled calls are counted by ``compile_units``' ``CompileStats`` instead."""
+    if not torch.compiler.is_compiling():
+        gemm_calls[backend] += 1
 
 
 def fp8_gemm(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
