@@ -164,7 +164,8 @@ def test_fine_grained_param_gather_breaks_the_graph_per_submodule_and_stays_exac
     assert_params_equal(full_params(model), full_params(ref), "fine-grained gather, compiled vs eager")
     stats = model.compile_stats
     assert stats.graph_breaks > 0, "the submodule hooks inside the compiled forward must break the graph"
-    assert_compiled(stats, units=3, breaks=stats.graph_breaks, exact=False)
+    # a graph on each side of a break (torch 2.11 counts the break at every call, 2.13 once per trace)
+    assert len(stats.units) == 3 and all(u.compiled_calls >= 2 * u.calls > 0 for u in stats.units.values()), stats
 
 
 @pytest.mark.slow
