@@ -20,7 +20,12 @@ as soon as that unit's reduced grads *land* (its post-backward reduction, revers
   param, HSDP's outer all-reduce, ``report_nan_in_param_grad``) get their task now.
 * **``optimizer.step()``** (``finish``): joins the worker, re-raises its first error, checks that
   nothing the step read changed since (hyper-parameters, grads), and marks the cycle consumed.
-  With ``"clip"`` it runs the usual step after the worker is joined (``close``).
+  With ``"clip"`` it runs the usual step after the worker is joined (``close``). With
+  ``"forward"`` it checks and returns: the worker runs on, lowest forward position first
+  (``stepping``), each unit's gather in the next forward waits for its task
+  (``UnitOffload.await_step``), and ``join_stepping`` (a new backward, ``state_dict``,
+  ``wait_for_step``...) waits for the rest. Units step with the hyper-parameters of the cycle's
+  start (``_Cycle.snapshot``), so a scheduler may move ``lr`` right after ``step()``.
 
 Why the numbers do not change: Adam is elementwise with a step counter per param, so stepping
 the params unit by unit with the group's own flags and kernel gives the values of one step over
