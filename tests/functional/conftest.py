@@ -100,6 +100,9 @@ L0_CELLS = (
     "test_offload_overlap.py::test_overlapped_step_equals_the_step_after_the_backward[cpu-zero3]",
     "test_offload_overlap.py::test_clip_mode_equals_clipping_without_overlap[gpu]",
     "test_offload_overlap.py::test_overlap_refuses_what_it_cannot_keep_exact",
+    # the step running on into the next forward: bit for bit at ZeRO-3 (per-unit waits), lr moved at once
+    "test_offload_overlap_forward.py::test_the_step_running_on_into_the_forward_equals_the_step_after_the_backward"
+    "[zero3]",
     "test_offload_gpu.py::test_offload_resting_memory_matches_closed_form[gpu]",
 )
 
