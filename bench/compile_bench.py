@@ -5,10 +5,12 @@ TransformerEngine alone; each cell in a fresh process, ``--reps`` interleaved ro
 
     python -m bench.compile_bench --size 1.3b --reps 3 --out compile_1.3b.json --md compile_1.3b.md
     python -m bench.compile_bench --size 2.7b --reps 1 --cells ours+compile,fsdp2+compile,ours,fsdp2
+    python -m bench.compile_bench --model llama --size 1.3b --cells ours+compile,fsdp2+compile,ours,fsdp2
     python -m bench.compile_bench --device cpu --size tiny --backend aot_eager --reps 1   # CPU smoke
 
 The cells and their setups are ``bench.compile_cells`` (AdamW(fused=True) for every engine, the
-bench GPT, one unit per block). Per cell: the warm-up steps run first, each synchronised and
+bench GPT or, ``--model llama``, the torchtitan-style Llama block of ``bench.llama``, one unit per
+block; with recompute the checkpoint wrapper is the unit). Per cell: the warm-up steps run first, each synchronised and
 timed on the host (the first one holds Dynamo's tracing and the backend's compile of the
 forward and backward graphs: ``first_step_s``, reported, not in the throughput); then
 ``--steps`` steps timed with CUDA events: tokens/s, step time, the device's peak allocated memory
