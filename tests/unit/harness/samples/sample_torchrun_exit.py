@@ -16,6 +16,7 @@ group itself when the session ends.
 ``SAMPLE_EXIT_FAIL=1`` adds a failing test, so the run's status is 1 (pytest's), not 0."""
 import atexit
 import os
+import pathlib
 import sys
 import time
 
@@ -56,10 +57,25 @@ def test_fails_on_purpose(dist_env):
     assert dist_env.rank < 0, "failing on purpose: the run's status is 1"
 
 
+def _every_rank_got_here(timeout_s: float = 60.0) -> None:
+    """A file barrier in ``HARNESS_SHARED_DIR``: once one rank has failed and ended, torchrun stops
+    the others, so a rank still in pytest's teardown would never print its line (seen on a loaded
+    2-core machine: rank 1 stopped before its exit handler ran). No rank goes on until all arrived."""
+    shared = os.environ.get("HARNESS_SHARED_DIR")
+    if not shared:
+        return
+    marks = [pathlib.Path(shared) / f"sample-exit-rank{r}" for r in range(int(os.environ["WORLD_SIZE"]))]
+    marks[int(os.environ["RANK"])].touch()
+    deadline = time.monotonic() + timeout_s
+    while not all(m.exists() for m in marks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _at_exit() -> None:
     """Runs after pytest has finished and before the harness's own exit handler."""
     print(f"[sample-exit] rank {os.environ['RANK']}: {len(os.listdir('/proc/self/task'))} thread(s) at exit, "
           f"{AT_IMPORT} at import", file=sys.stderr, flush=True)
+    _every_rank_got_here()
     if not KEPT:
         return
     group = KEPT[0][2]  # the harness has destroyed the default group: the group's own methods only
