@@ -68,7 +68,11 @@ CELLS = {
                                 "forward's gathers, not from the worker after each unit's step)"),
     "ours-cpu-hostall": ("as ours-cpu + params=True (every gather uploads its fp32 host shard, as FSDP2's offload "
                          "does: nothing rests on the device, the device peak FSDP2's)"),
-    "ours-cpu-hostall-overlap": "as ours-cpu-hostall + overlap_step=True",
+    "ours-cpu-hostall-overlap": ("as ours-cpu-hostall + overlap_step=True (with upload_ahead: each unit's new weights "
+                                 "go up after its host step into a copy the next forward's gather consumes; the "
+                                 "backward's gathers upload from the host)"),
+    "ours-cpu-hostall-lateup-overlap": ("as ours-cpu-hostall-overlap with upload_ahead=False (both gathers upload "
+                                        "from the host)"),
     "ours-cpu-forward": ("as ours-cpu + overlap_step='forward' (the host step overlaps the backward and runs on "
                          "into the next forward: step() returns at once, each unit's gather waits for its step)"),
     "ours-cpu-hostall-forward": "as ours-cpu-hostall + overlap_step='forward'",
@@ -137,7 +141,8 @@ def offload_bytes(cell: str, n: int) -> tuple[int, int]:
         return 10 * n, 10 * n
     if cell in ("ours-cpu", "ours-cpu-lateup"):  # grads down; the bf16 compute shard refreshed once per step (fp32 up)
         return 4 * n, 4 * n
-    if cell == "ours-cpu-hostall":  # fp32 host shard up for each of 2 gathers, grads down (FSDP2's bytes)
+    if cell in ("ours-cpu-hostall", "ours-cpu-hostall-lateup"):  # fp32 host shard up for each of 2 gathers
+        # (made ahead by the worker or by the forward's gather: the same bytes), grads down (FSDP2's bytes)
         return 2 * 4 * n, 4 * n
     if cell.startswith("fsdp2-offload"):  # fp32 sharded params up for each of 2 gathers, grads down
         return 2 * 4 * n, 4 * n
@@ -177,10 +182,10 @@ def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Mo
         elif base == "ours-gpu-hostall":
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(params=True, grads=True, pin_memory=pin,
                                                                overlap_step=overlap)
-        elif base in ("ours-cpu", "ours-cpu-hostall", "ours-cpu-lateup"):
-            kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu", params=base == "ours-cpu-hostall",
+        elif base in ("ours-cpu", "ours-cpu-hostall", "ours-cpu-lateup", "ours-cpu-hostall-lateup"):
+            kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu", params="hostall" in base,
                                                                pin_memory=pin, overlap_step=overlap,
-                                                               upload_ahead=base != "ours-cpu-lateup")
+                                                               upload_ahead="lateup" not in base)
         lean = base == "ours-gpu-lean"
         policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                                 main_grads_dtype=torch.bfloat16 if lean else torch.float32)

@@ -85,11 +85,14 @@ class OffloadPolicy:
       streams, and the window holds ``WINDOW_SLOTS`` chunks (fewer when the step has fewer). A
       window that cannot fit the device's free memory is refused at wrap time
       (``check_window``) and again, exactly, before the first step allocates it.
-    * ``upload_ahead`` (True): with ``overlap_step=True`` and ``step="cpu"``, the worker uploads
-      each unit's new weights into its device compute shard right after the unit's host step
-      (``UnitOffload.refresh_ahead``) instead of leaving the upload to the next forward's gather.
-      It shortens the forward, and costs the host step the copy's host-memory traffic while
-      both run; False keeps the upload in the forward. Same numbers either way.
+    * ``upload_ahead`` (True): with ``overlap_step`` True/``"forward"`` and ``step="cpu"``, the
+      worker uploads each unit's new weights to the device right after the unit's host step
+      (``UnitOffload.refresh_ahead``) instead of leaving the upload to the next forward's gather:
+      into the compute shard (``params=False``), or (``params=True``) into a compute-dtype copy
+      that lives only until that gather consumes it (the backward's gather uploads from the host
+      again), so the device peak, at the end of the forward, stays that of ``params=True``. It
+      shortens the forward, and costs the host step the copy's host-memory traffic while both
+      run; False keeps the upload in the forward. Same numbers either way.
     * ``overlap_step`` (False): overlap the optimizer step with the backward (``overlap.py``);
       needs the grads in host memory and Adam/AdamW. ``True``: as each unit's reduced grads land
       (the sync backward of an accumulation only), that unit steps in a worker thread
@@ -279,6 +282,9 @@ class UnitOffload:
         self.compute_shard: torch.Tensor | None = None  # params=False: the shard in the compute dtype
         self.shard_version = -1  # version() the compute shard was built from
         self.shard_ready: Any = None  # overlap_step: the event of an upload made ahead (refresh_ahead)
+        # params=True with upload_ahead: the copy made ahead, its version and stream (consumed by one gather)
+        self.ahead: tuple[torch.Tensor, int, CommStream] | None = None
+        self.compute_dtype = compute_dtype
         self.await_step: Callable[[], None] | None = None  # overlap_step="forward": waits for this unit's step
         self.host_grad_fresh = True  # the host grads were zeroed or consumed since the last copy
         self.landed = False  # overlap_step: this sync backward's grads were copied when they landed
@@ -296,7 +302,8 @@ class UnitOffload:
     def gather_source(self) -> torch.Tensor:
         """The device tensor a gather of the unit starts from (call on the gather stream): the
         compute shard, refreshed from the host if the main weights changed, or (``params=True``)
-        a fresh device copy of the host main shard in its own dtype. With ``overlap_step="forward"``
+        the copy uploaded ahead if one waits (``refresh_ahead``), else a fresh device copy of the
+        host main shard in its own dtype. With ``overlap_step="forward"``
         it first waits for the unit's host step, which may still be running."""
         if self.await_step is not None:
             wait, self.await_step = self.await_step, None
@@ -304,7 +311,8 @@ class UnitOffload:
         if not self.policy.main_params:
             return self.weight.data
         if self.compute_shard is None:
-            return self._to_device(self.weight.data)
+            ahead = self._take_ahead()
+            return ahead if ahead is not None else self._to_device(self.weight.data)
         version = self.version()
         if version != self.shard_version:
             self.compute_shard.copy_(self._to_device(self.weight.data))
@@ -320,14 +328,43 @@ class UnitOffload:
         ``after`` (the unit's grad landing, so its backward, the shard's last reader this step,
         is done) has passed, instead of in the next forward's gather. The same cast copy as
         ``gather_source``, so the same bits; the next gather waits for ``shard_ready``. A later
-        edit of the weights still shows: its version differs and the gather refreshes again."""
-        if self.compute_shard is None or not self.policy.upload_ahead:
+        edit of the weights still shows: its version differs and the gather refreshes again.
+        With ``params=True`` the upload goes into a new compute-dtype copy that the next gather
+        alone takes (the forward's; the backward's uploads from the host as without it): the
+        copy lives from the step to that gather, while the activations are small."""
+        if not (self.policy.upload_ahead and self.policy.main_params):
+            return
+        if self.compute_shard is None:  # params=True: a copy for the next gather only
+            self.ahead = None  # one not consumed since the last step is stale now
+            with stream.enter():
+                stream.wait(after)
+                shard = self._to_device(self.weight.data).to(self.compute_dtype)
+                self.shard_ready = stream.record()
+            self.ahead = (shard, self.version(), stream)
             return
         with stream.enter():
             stream.wait(after)
             self.compute_shard.copy_(self._to_device(self.weight.data))
             self.shard_ready = stream.record()
         self.shard_version = self.version()
+
+    def _take_ahead(self) -> torch.Tensor | None:
+        """``params=True``: the copy uploaded ahead, handed to this one gather (then the unit
+        holds no device copy again), or None when there is none or the weights changed since."""
+        if self.ahead is None:
+            return None
+        (shard, version, stream), self.ahead = self.ahead, None
+        ready, self.shard_ready = self.shard_ready, None
+        if version != self.version():
+            return None
+        current_stream_wait(self.device, ready)
+        stream.used_by_current(shard)  # made on the worker's stream: not reused before this gather read it
+        return shard
+
+    @property
+    def has_ahead_copy(self) -> bool:
+        """``params=True``: whether a copy uploaded ahead waits for the next gather."""
+        return self.ahead is not None
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A device copy of ``host`` (an explicit copy, so the CPU test window copies too)."""

@@ -57,7 +57,7 @@ from torch.profiler import record_function
 
 from ..device import CommStream, current, record_current, wait_on_host
 from ..placement import local_tensor
-from .worker import StepWorker
+from .worker import StepWorker, spare_threads
 
 if TYPE_CHECKING:
     from ..engine import FSDPEngine
@@ -209,10 +209,18 @@ class OverlappedStep:
         if self.cycle is None:
             optimizer = self.optimizer
             assert optimizer is not None
-            self.cycle = _Cycle(StepWorker(quick_gil=self.runs_on), _hyper(optimizer.param_groups))
+            self.cycle = _Cycle(StepWorker(quick_gil=self.runs_on, threads=self._worker_threads()),
+                                _hyper(optimizer.param_groups))
         if not self.cycle.has(engine):
             self.cycle.engines.append(engine)
         return self.cycle
+
+    def _worker_threads(self) -> int:
+        """The worker's intra-op width: with ``step="cpu"`` steps one core fewer than the caller's
+        (``spare_threads``: Adam is elementwise, so the same bits); norms (``"clip"``, a reduction)
+        and the streamed step keep the caller's."""
+        width = torch.get_num_threads()
+        return spare_threads(width) if self.steps and self.policy.step == "cpu" else width
 
     def _submit(self, cycle: _Cycle, engine: FSDPEngine, unit: FSDPUnit, event: Any) -> None:
         cycle.units.append(unit)

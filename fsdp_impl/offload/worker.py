@@ -57,11 +57,32 @@ class _Tasks:
             return task, done
 
 
+def spare_threads(width: int) -> int:
+    """Intra-op threads for host steps that run beside the training thread: one fewer than the
+    caller's ``width`` (at least one). While the worker steps, the thread driving the device (the
+    forward, the autograd engine's) is busy too; with every core in the kernel's parallel region,
+    the region waits for whichever of its threads shares a core with it. For elementwise kernels
+    only (Adam): their bits do not depend on how the elements are split between threads."""
+    return max(1, width - 1)
+
+
 def _work(tasks: _Tasks, errors: list[BaseException], threads: int) -> None:
     """The worker thread's loop: run tasks until the queue closes; after a failure the remaining
     tasks are skipped (the cycle is lost), the error is kept for ``join``. Every task's event is
     set, run or skipped, so nothing waiting on a unit hangs."""
-    torch.set_num_threads(threads)  # the caller's intra-op width: same kernel splits, same bits
+    # the intra-op width its tasks run with: the caller's (reductions split the same way, same
+    # bits) or, for elementwise steps, ``spare_threads`` of it. Set on this thread only (OpenMP
+    # keeps the width per thread); torch also stores it for threads started later, so the
+    # caller's width is put back before the loop ends.
+    restore = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _run(tasks, errors)
+    finally:
+        torch.set_num_threads(restore)
+
+
+def _run(tasks: _Tasks, errors: list[BaseException]) -> None:
     while True:
         item = tasks.get()
         if item is None:
@@ -91,9 +112,10 @@ class StepWorker:
     """One thread running the tasks of one cycle (submission order, or unit order once asked);
     ``join`` ends it and re-raises the first error of a task in the calling thread.
     ``quick_gil=True`` (a step running on into the forward): the GIL switch interval is lowered
-    to ``FORWARD_SWITCH_INTERVAL_S`` while the thread lives, and restored at ``join``."""
+    to ``FORWARD_SWITCH_INTERVAL_S`` while the thread lives, and restored at ``join``.
+    ``threads``: the tasks' intra-op width (default: the caller's, ``torch.get_num_threads()``)."""
 
-    def __init__(self, quick_gil: bool = False) -> None:
+    def __init__(self, quick_gil: bool = False, threads: int | None = None) -> None:
         self._tasks = _Tasks()
         self._errors: list[BaseException] = []
         interval = None
@@ -101,7 +123,8 @@ class StepWorker:
             interval = (sys.getswitchinterval(), FORWARD_SWITCH_INTERVAL_S)
             sys.setswitchinterval(FORWARD_SWITCH_INTERVAL_S)
             interval = (interval[0], sys.getswitchinterval())  # as Python stores it
-        self._thread = threading.Thread(target=_work, args=(self._tasks, self._errors, torch.get_num_threads()),
+        width = torch.get_num_threads() if threads is None else threads
+        self._thread = threading.Thread(target=_work, args=(self._tasks, self._errors, width),
                                         name=_WORKER_NAME, daemon=True)
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._tasks, self._thread, interval)
@@ -144,4 +167,4 @@ class StepWorker:
         return bool(self._errors)
 
 
-__all__ = ["StepWorker"]
+__all__ = ["StepWorker", "spare_threads"]

@@ -95,6 +95,48 @@ def test_overlapped_step_equals_the_step_after_the_backward(step: str, strategy:
     _no_worker_left()
 
 
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.parametrize("strategy", [2, 3], ids=["zero2", "zero3"])
+@pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), offload="cpu_overlap", dtype="bf16")
+def test_params_on_the_host_take_a_copy_uploaded_ahead(strategy: int, dist_env) -> None:
+    """params=True, step='cpu', overlap_step=True, bf16 compute: after its host step each unit's
+    new weights wait on the device in a compute-dtype copy that the next forward's gather takes
+    (and drops); the numbers equal the non-overlapped run bit for bit. A weight edit between the
+    step and that gather is seen (the copy is stale), and upload_ahead=False leaves no copy."""
+    device = dist_env.device
+    runs = {}
+    for overlap in (False, True):
+        policy = dataclasses.replace(_overlap_policy("cpu", device, overlap), params=True)
+        runs[overlap] = train("gpt", device, dict(zero_dp_strategy=strategy, offload_policy=policy), steps=4,
+                              dtype=torch.bfloat16)
+    _assert_identical(runs[True], runs[False], f"params=True, ZeRO-{strategy}")
+    units = runs[True][2]._fsdp_engine.units
+    for unit in units:
+        ahead, weight = unit.offload.ahead, unit.offload.weight.data
+        assert ahead is not None, f"{unit.name}: no copy uploaded after its step"
+        assert ahead[0].dtype == torch.bfloat16 and torch.equal(ahead[0], weight.to(torch.bfloat16)), unit.name
+    source = units[0].offload  # an edit after the step: the copy is stale, the gather uploads the new values
+    with torch.no_grad():
+        source.weight.data.add_(1.0)  # moves the buffer's version counter
+    fresh = source.gather_source()
+    assert fresh.dtype == source.weight.data.dtype and torch.equal(fresh, source.weight.data), "stale copy used"
+    assert source.ahead is None
+    with torch.no_grad():
+        runs[True][2](*_gpt_inputs(device))  # a forward takes every other unit's copy
+    assert not any(u.offload.has_ahead_copy for u in units), "a forward left copies on the device"
+    policy = dataclasses.replace(_overlap_policy("cpu", device, True), params=True, upload_ahead=False)
+    late = train("gpt", device, dict(zero_dp_strategy=strategy, offload_policy=policy), steps=4, dtype=torch.bfloat16)
+    _assert_identical(late, runs[False], f"params=True, upload_ahead=False, ZeRO-{strategy}")
+    assert not any(u.offload.has_ahead_copy for u in late[2]._fsdp_engine.units)
+    _no_worker_left()
+
+
+def _gpt_inputs(device: torch.device) -> list[torch.Tensor]:
+    from tests.functional.common.reference import global_batch
+    inputs, _ = global_batch("gpt", 0, 2, torch.bfloat16)
+    return [x.to(device) for x in inputs]
+
 @pytest.mark.distributed(world_size=2, timeout=300)
 @pytest.mark.parametrize("step", ["cpu", "gpu"])
 @pytest.mark.matrix(zero="optim_grads_params", model="mlp", offload=matrix.param("step", lambda s: f"{s}_overlap"))

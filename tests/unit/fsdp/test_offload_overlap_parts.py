@@ -14,7 +14,7 @@ import torch.nn as nn
 from fsdp_impl.offload.host import OffloadPolicy
 from fsdp_impl.offload.optim import check_offload_optimizer
 from fsdp_impl.offload.overlap import OverlapTimes
-from fsdp_impl.offload.worker import FORWARD_SWITCH_INTERVAL_S, StepWorker
+from fsdp_impl.offload.worker import FORWARD_SWITCH_INTERVAL_S, StepWorker, spare_threads
 
 
 def _workers() -> list[threading.Thread]:
@@ -106,6 +106,45 @@ def test_a_running_on_worker_lowers_the_gil_switch_interval_until_joined() -> No
     plain = StepWorker()
     assert sys.getswitchinterval() == before
     plain.join()
+
+
+def test_worker_tasks_run_at_the_width_asked_and_the_callers_stays() -> None:
+    """``threads``: the tasks' intra-op width, set on the worker thread only; a thread started
+    after the worker ended gets the caller's width again (torch stores the last width set)."""
+    caller = torch.get_num_threads()
+    seen: list[int] = []
+    worker = StepWorker(threads=1)
+    worker.submit(lambda: seen.append(torch.get_num_threads()))
+    worker.join()
+    assert seen == [1] and torch.get_num_threads() == caller
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [caller]
+    assert [spare_threads(w) for w in (1, 2, 16)] == [1, 1, 15]
+
+
+def test_fused_host_adam_gives_the_same_bits_at_any_width() -> None:
+    """Why the overlapped host step may run one core narrower (``spare_threads``): torch's fused
+    CPU AdamW is elementwise, so how the elements are split between threads changes no bit."""
+    def step(width: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        p, g = torch.randn(300_001, generator=gen), torch.randn(300_001, generator=gen)
+        m, v = torch.randn(300_001, generator=gen), torch.rand(300_001, generator=gen)
+        out: list[list[torch.Tensor]] = []
+
+        def run() -> None:
+            torch.set_num_threads(width)
+            torch._fused_adamw_([p], [g], [m], [v], [], [torch.tensor(3.0)], lr=1e-2, beta1=0.9, beta2=0.99,
+                                weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+            out.append([p, m, v])
+        thread = threading.Thread(target=run)  # its own width, as the worker's
+        thread.start()
+        thread.join()
+        return out[0]
+    narrow, wide = step(1), step(max(2, torch.get_num_threads()))
+    assert all(torch.equal(a, b) for a, b in zip(narrow, wide, strict=True))
 
 
 def test_a_dropped_worker_ends_its_thread() -> None:
