@@ -71,6 +71,10 @@ CELLS = {
     "ours-cpu-hostall-overlap": ("as ours-cpu-hostall + overlap_step=True (with upload_ahead: each unit's new weights "
                                  "go up after its host step into a copy the next forward's gather consumes; the "
                                  "backward's gathers upload from the host)"),
+    "ours-cpu-hostall-hostcopy-overlap": ("as ours-cpu-hostall-overlap + compute_copy_on_host=True (the worker casts "
+                                          "each unit's new weights to bf16 in host memory; every upload sends 2 bytes "
+                                          "a param instead of 4; +2 host bytes a param)"),
+    "ours-cpu-hostall-hostcopy-forward": "as ours-cpu-hostall-hostcopy-overlap with overlap_step='forward'",
     "ours-cpu-hostall-lateup-overlap": ("as ours-cpu-hostall-overlap with upload_ahead=False (both gathers upload "
                                         "from the host)"),
     "ours-cpu-forward": ("as ours-cpu + overlap_step='forward' (the host step overlaps the backward and runs on "
@@ -144,6 +148,8 @@ def offload_bytes(cell: str, n: int) -> tuple[int, int]:
     if cell in ("ours-cpu-hostall", "ours-cpu-hostall-lateup"):  # fp32 host shard up for each of 2 gathers
         # (made ahead by the worker or by the forward's gather: the same bytes), grads down (FSDP2's bytes)
         return 2 * 4 * n, 4 * n
+    if cell == "ours-cpu-hostall-hostcopy":  # the host bf16 copy up for each of 2 gathers, grads down
+        return 2 * 2 * n, 4 * n
     if cell.startswith("fsdp2-offload"):  # fp32 sharded params up for each of 2 gathers, grads down
         return 2 * 4 * n, 4 * n
     return 0, 0
@@ -182,10 +188,12 @@ def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Mo
         elif base == "ours-gpu-hostall":
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(params=True, grads=True, pin_memory=pin,
                                                                overlap_step=overlap)
-        elif base in ("ours-cpu", "ours-cpu-hostall", "ours-cpu-lateup", "ours-cpu-hostall-lateup"):
+        elif base in ("ours-cpu", "ours-cpu-hostall", "ours-cpu-lateup", "ours-cpu-hostall-lateup",
+                      "ours-cpu-hostall-hostcopy"):
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu", params="hostall" in base,
                                                                pin_memory=pin, overlap_step=overlap,
-                                                               upload_ahead="lateup" not in base)
+                                                               upload_ahead="lateup" not in base,
+                                                               compute_copy_on_host="hostcopy" in base)
         lean = base == "ours-gpu-lean"
         policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                                 main_grads_dtype=torch.bfloat16 if lean else torch.float32)

@@ -93,6 +93,11 @@ class OffloadPolicy:
       again), so the device peak, at the end of the forward, stays that of ``params=True``. It
       shortens the forward, and costs the host step the copy's host-memory traffic while both
       run; False keeps the upload in the forward. Same numbers either way.
+    * ``compute_copy_on_host`` (False): with ``step="cpu"`` and ``overlap_step`` True/``"forward"``,
+      also keep a compute-dtype copy of each shard in (pinned) host memory, cast by the worker
+      right after the unit's host step; every upload of the new weights (made ahead, the
+      gathers') then sends that copy: 2 bytes a param instead of 4 at bf16 compute, for 2 more
+      host bytes a param. The host cast rounds as the device cast does: same bits.
     * ``overlap_step`` (False): overlap the optimizer step with the backward (``overlap.py``);
       needs the grads in host memory and Adam/AdamW. ``True``: as each unit's reduced grads land
       (the sync backward of an accumulation only), that unit steps in a worker thread
@@ -120,9 +125,10 @@ class OffloadPolicy:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     overlap_step: OverlapMode = False
     upload_ahead: bool = True
+    compute_copy_on_host: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("optimizer_state", "main_params", "params", "pin_memory", "upload_ahead"):
+        for name in ("optimizer_state", "main_params", "params", "pin_memory", "upload_ahead", "compute_copy_on_host"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"OffloadPolicy.{name} must be True or False, got {getattr(self, name)!r}")
         if self.grads is not None and not isinstance(self.grads, bool):
@@ -156,6 +162,10 @@ class OffloadPolicy:
             raise ValueError(f"OffloadPolicy(overlap_step={self.overlap_step!r}) overlaps the step with the grads' "
                              "copies to host memory, so the grads must be on the host: pass grads=True or None "
                              "with main_params=True, or overlap_step=False")
+        if self.compute_copy_on_host and not (self.step == "cpu" and self.steps_in_backward):
+            raise ValueError("OffloadPolicy(compute_copy_on_host=True) keeps a copy that the overlapped host step "
+                             "refreshes after each unit's update, so it needs step='cpu' and overlap_step True or "
+                             f"'forward', got step={self.step!r}, overlap_step={self.overlap_step!r}")
         if not (self.optimizer_state or self.main_params or self.grads):
             raise ValueError("OffloadPolicy offloads nothing (optimizer_state, main_params and grads are all "
                              "off); pass offload_policy=None instead")
@@ -285,6 +295,13 @@ class UnitOffload:
         # params=True with upload_ahead: the copy made ahead, its version and stream (consumed by one gather)
         self.ahead: tuple[torch.Tensor, int, CommStream] | None = None
         self.compute_dtype = compute_dtype
+        # compute_copy_on_host: the shard in the compute dtype in host memory, and the version it was cast from
+        self.host_copy: torch.Tensor | None = None
+        self.host_copy_version = -1
+        if policy.compute_copy_on_host:
+            numel = weight.data.numel()
+            self.host_copy = (pinned_zeros(numel, compute_dtype) if policy.pin_memory
+                              else torch.zeros(numel, dtype=compute_dtype, device=host_device()))
         self.await_step: Callable[[], None] | None = None  # overlap_step="forward": waits for this unit's step
         self.host_grad_fresh = True  # the host grads were zeroed or consumed since the last copy
         self.landed = False  # overlap_step: this sync backward's grads were copied when they landed
@@ -312,10 +329,10 @@ class UnitOffload:
             return self.weight.data
         if self.compute_shard is None:
             ahead = self._take_ahead()
-            return ahead if ahead is not None else self._to_device(self.weight.data)
+            return ahead if ahead is not None else self._to_device(self._upload_source())
         version = self.version()
         if version != self.shard_version:
-            self.compute_shard.copy_(self._to_device(self.weight.data))
+            self.compute_shard.copy_(self._to_device(self._upload_source()))
             self.shard_version = version
         if self.shard_ready is not None:  # uploaded ahead on another stream: the gather waits for it
             current_stream_wait(self.device, self.shard_ready)
@@ -338,15 +355,31 @@ class UnitOffload:
             self.ahead = None  # one not consumed since the last step is stale now
             with stream.enter():
                 stream.wait(after)
-                shard = self._to_device(self.weight.data).to(self.compute_dtype)
+                shard = self._to_device(self._upload_source()).to(self.compute_dtype)
                 self.shard_ready = stream.record()
             self.ahead = (shard, self.version(), stream)
             return
         with stream.enter():
             stream.wait(after)
-            self.compute_shard.copy_(self._to_device(self.weight.data))
+            self.compute_shard.copy_(self._to_device(self._upload_source()))
             self.shard_ready = stream.record()
         self.shard_version = self.version()
+
+    def refresh_host_copy(self) -> None:
+        """``compute_copy_on_host`` (the worker, right after this unit's host step): cast the new
+        weights into the host copy. Nothing still reads it: the unit's gathers of this step came
+        before its grads landed, and the last upload made ahead was waited for by the forward."""
+        if self.host_copy is None:
+            return
+        self.host_copy.copy_(self.weight.data)
+        self.host_copy_version = self.version()
+
+    def _upload_source(self) -> torch.Tensor:
+        """What an upload of the current weights sends: the host compute-dtype copy when it was
+        cast from them (``compute_copy_on_host``), else the main shard (cast on the device)."""
+        if self.host_copy is not None and self.host_copy_version == self.version():
+            return self.host_copy
+        return self.weight.data
 
     def _take_ahead(self) -> torch.Tensor | None:
         """``params=True``: the copy uploaded ahead, handed to this one gather (then the unit

@@ -265,6 +265,7 @@ class OverlappedStep:
         if self.policy.step == "cpu":  # with the hyper-parameters of the cycle's start (checked at step())
             host_step_units(optimizer, [unit], grad_of, cycle.snapshot)
             assert unit.offload is not None
+            unit.offload.refresh_host_copy()
             unit.offload.refresh_ahead(self.stream, landed)
             return
         engines = list(optimizer._fsdp_engines)  # type: ignore[attr-defined]

@@ -132,6 +132,43 @@ def test_params_on_the_host_take_a_copy_uploaded_ahead(strategy: int, dist_env) 
     _no_worker_left()
 
 
+
+@pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.parametrize("params,overlap", [(True, True), (False, True), (True, "forward")],
+                         ids=["host_params", "device_shard", "host_params-forward"])
+@pytest.mark.matrix(zero="optim_grads_params", offload="cpu_overlap", dtype="bf16")
+def test_uploads_send_the_compute_copy_made_on_the_host(params: bool, overlap: Any, dist_env) -> None:
+    """compute_copy_on_host=True, bf16 compute, ZeRO-3: the worker casts each unit's new weights
+    into a host bf16 copy after its step and every upload sends that copy; the numbers equal
+    overlap_step=False bit for bit (the host cast rounds as the device cast). The gathers read
+    the copy (a copy changed behind the weights' back shows in the next gather) and not once the
+    weights moved on without it."""
+    device = dist_env.device
+    runs = {}
+    for mode in (False, overlap):
+        policy = dataclasses.replace(_overlap_policy("cpu", device, mode), params=params,
+                                     compute_copy_on_host=mode is not False)
+        runs[mode] = train("gpt", device, dict(zero_dp_strategy=3, offload_policy=policy), steps=4,
+                           dtype=torch.bfloat16)
+    _assert_identical(runs[overlap], runs[False], f"compute_copy_on_host, params={params}, overlap={overlap}")
+    fsdp_impl.wait_for_step(runs[overlap][3])
+    units = runs[overlap][2]._fsdp_engine.units
+    for unit in units:
+        offload = unit.offload
+        assert offload.host_copy is not None and offload.host_copy.dtype == torch.bfloat16, unit.name
+        assert offload.host_copy_version == offload.version(), f"{unit.name}: host copy not refreshed"
+        assert torch.equal(offload.host_copy, offload.weight.data.to(torch.bfloat16)), f"{unit.name}: stale host copy"
+    offload = units[-1].offload
+    offload.ahead, offload.shard_version = None, -1  # the next gather uploads
+    offload.host_copy.fill_(3.0)  # behind the weights' back: only the copy says 3
+    assert torch.all(offload.gather_source() == 3.0), "the gather did not send the host copy"
+    offload.shard_version = -1
+    with torch.no_grad():
+        offload.weight.data.mul_(2.0)  # the weights moved on: the copy is stale
+    got = offload.gather_source()
+    assert torch.equal(got.float(), offload.weight.data.to(got.dtype).float()), "a stale host copy was sent"
+    _no_worker_left()
+
 def _gpt_inputs(device: torch.device) -> list[torch.Tensor]:
     from tests.functional.common.reference import global_batch
     inputs, _ = global_batch("gpt", 0, 2, torch.bfloat16)

@@ -51,6 +51,8 @@ def test_a_cell_runs_in_its_own_process_and_a_failure_is_a_row() -> None:
     assert hostall["status"] == "ok" and hostall["losses"] == row["losses"], (hostall, row)
     late = offload_bench._spawn("ours-cpu-hostall-lateup-overlap", "tiny", args)  # no copy uploaded ahead
     assert late["status"] == "ok" and late["losses"] == row["losses"], (late, row)
+    half = offload_bench._spawn("ours-cpu-hostall-hostcopy-overlap", "tiny", args)  # uploads the host bf16 copy
+    assert half["status"] == "ok" and half["losses"] == row["losses"], (half, row)
     args.steps = 2  # the step running on into the forward: the same losses, its share measured
     runs_on = offload_bench._spawn("ours-cpu-hostall-forward", "tiny", args)
     base = offload_bench._spawn("ours-cpu-hostall-overlap", "tiny", args)
@@ -75,6 +77,7 @@ def test_overlap_cells_their_policy_bytes_and_hidden_share() -> None:
     # params=True: each of ZeRO-3's two gathers uploads the fp32 host shard, as FSDP2's offload does
     assert offload_bench.offload_bytes("ours-cpu-hostall-overlap", 10) == offload_bench.offload_bytes(
         "fsdp2-offload-fused", 10) == offload_bench.offload_bytes("ours-cpu-hostall-lateup-overlap", 10) == (80, 40)
+    assert offload_bench.offload_bytes("ours-cpu-hostall-hostcopy-forward", 10) == (40, 40)  # bf16 up
     busy = [(0.0, 0.004), (0.004, 0.010), (0.012, 0.014)]  # seconds; the backward ended at 8 ms
     hidden, total = offload_bench.overlap_share(busy, 0.008)
     assert hidden == pytest.approx(8.0) and total == pytest.approx(12.0)

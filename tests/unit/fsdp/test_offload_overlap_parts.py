@@ -46,6 +46,16 @@ def test_overlap_needs_host_grads(value: object) -> None:
     assert OffloadPolicy(main_params=False, grads=True, overlap_step=value).grads_on_host  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("kwargs", [dict(step="gpu", overlap_step=True), dict(step="cpu", overlap_step=False),
+                                    dict(step="cpu", overlap_step="clip")])
+def test_compute_copy_on_host_needs_the_overlapped_host_step(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match=r"compute_copy_on_host=True\).* needs step='cpu' and overlap_step True"):
+        OffloadPolicy(pin_memory=False, compute_copy_on_host=True, **kwargs)
+    with pytest.raises(TypeError, match="compute_copy_on_host must be True or False"):
+        OffloadPolicy(pin_memory=False, step="cpu", overlap_step=True, compute_copy_on_host=1)  # type: ignore[arg-type]
+    OffloadPolicy(pin_memory=False, step="cpu", overlap_step="forward", compute_copy_on_host=True)
+
+
 def test_overlapped_steps_need_adam_but_clip_mode_takes_any_optimizer() -> None:
     params = list(nn.Linear(2, 2).parameters())
     with pytest.raises(ValueError, match=r"OffloadPolicy\(overlap_step=True\) steps Adam/AdamW unit by unit.*SGD"):
