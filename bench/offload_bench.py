@@ -100,7 +100,7 @@ CELLS = {
                                  "the -clip cells are put against)"),
 }
 DEFAULT_CELLS = ("fsdp2-offload-fused", "ours", "ours-gpu", "ours-gpu-hostall", "ours-cpu", "ours-gpu-overlap",
-                 "ours-cpu-overlap", "fsdp2", "fsdp2-offload")
+                 "ours-cpu-overlap", "ours-cpu-hostall-overlap", "fsdp2", "fsdp2-offload")
 # What the -clip cells clip to (every step, so the step always waits for the global norm)
 CLIP_NORM = 1.0
 # Every offloaded cell is put against FSDP2 offloading as its informed users run it (issue 48).

@@ -264,3 +264,53 @@ def test_offload_checkpoint_round_trip_on_gpu(saved: str | None, loaded: str | N
         assert resumed == losses[K_SAVE:] and all(torch.equal(got[n], final[n]) for n in final)
     else:
         assert max_loss_error(resumed, losses[K_SAVE:]) <= GPU_ROUNDING_LOSS_RTOL
+
+
+# Tokens per microbatch of the peak test: enough that one block's saved activations (fc1's input and
+# output, the activation's output: ~ (1 + 4 + 4) x 2048 bf16 values a token, 144 MiB here) outweigh
+# its bf16 weights (64 MiB) and their fp32 upload (128 MiB), as in the LLM regime the switch is for.
+PEAK_TOKENS = 4096
+
+
+@pytest.mark.distributed(world_size=1, timeout=600)
+@pytest.mark.parametrize("host_copy", [False, True], ids=["device_cast", "host_copy"])
+@pytest.mark.matrix(mesh=axes.mesh(1), zero="optim_grads_params", dtype="bf16", model="mlp", offload="cpu_overlap")
+def test_copies_uploaded_ahead_leave_the_peak_of_params_on_the_host(host_copy: bool, dist_env) -> None:
+    """``params=True, step="cpu"``: with ``overlap_step=True`` the worker uploads each unit's new
+    weights ahead (a bf16 copy the next forward's gather takes). The device peak of a training
+    step stays that of ``overlap_step=False`` within one unit's fp32 upload plus its bf16 copy
+    (the worker's cast of the unit just stepped, while the backward still holds the activations
+    of the units before it); copies kept through the forward would add 8 blocks' bf16 weights at
+    its end (512 MiB). Losses bit for bit."""
+    device = dist_env.device
+    _warm_cublas(device)
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randn(PEAK_TOKENS, HIDDEN, generator=gen) for _ in range(3)]
+    peaks, losses = {}, {}
+    unit_bytes = 2 * HIDDEN * 4 * HIDDEN * (4 + 2)  # one block's fp32 upload and bf16 copy (weights only)
+    for overlap in (False, True):
+        base = _allocated(device)
+        torch.manual_seed(0)
+        model = nn.Sequential(*[Block() for _ in range(LAYERS)]).to(device=device, dtype=torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        offload = fsdp_impl.OffloadPolicy(step="cpu", params=True, overlap_step=overlap,
+                                          compute_copy_on_host=host_copy and overlap is True)
+        model, opt = fsdp_impl.fully_shard(model, opt, zero_dp_strategy=3, fsdp_unit_modules=[Block],
+                                           offload_policy=offload)
+        losses[overlap] = []
+        for step, x in enumerate(data):
+            if step == len(data) - 1:  # the last step: after a step whose worker uploaded ahead
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            loss = model(x.to(device=device, dtype=torch.bfloat16)).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[overlap].append(loss.item())
+        torch.cuda.synchronize(device)
+        peaks[overlap] = torch.cuda.max_memory_allocated(device) - base
+        del model, opt
+    assert losses[True] == losses[False]
+    assert peaks[True] <= peaks[False] + unit_bytes + SLACK, (
+        f"device peak {peaks[True] / MIB:.1f} MiB with copies uploaded ahead, {peaks[False] / MIB:.1f} MiB "
+        f"without (allowed: + {unit_bytes / MIB:.0f} MiB)")
