@@ -188,8 +188,7 @@ def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Mo
         elif base == "ours-gpu-hostall":
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(params=True, grads=True, pin_memory=pin,
                                                                overlap_step=overlap)
-        elif base in ("ours-cpu", "ours-cpu-hostall", "ours-cpu-lateup", "ours-cpu-hostall-lateup",
-                      "ours-cpu-hostall-hostcopy"):
+        elif base.startswith("ours-cpu"):  # -hostall: params=True, -lateup: no upload ahead, -hostcopy: host bf16
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu", params="hostall" in base,
                                                                pin_memory=pin, overlap_step=overlap,
                                                                upload_ahead="lateup" not in base,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
 import torch
 import torch.distributed as dist
@@ -275,6 +275,17 @@ def host_weight(policy: OffloadPolicy, like: DataParallelBuffer) -> DataParallel
     return host_buffer(like, policy.pin_memory) if policy.main_params else like
 
 
+class AheadCopy(NamedTuple):
+    """``params=True`` with ``upload_ahead``: a unit's new weights uploaded by the worker for
+    its next gather: the device tensor (compute dtype), the weights' version it was made from,
+    the stream that made it and that stream's event once the copy is done."""
+
+    tensor: torch.Tensor
+    version: int
+    stream: CommStream
+    ready: Any
+
+
 class UnitOffload:
     """The host side of one unit: its host grad buffer, the device compute-dtype copy of its
     shard, and the copies between them. It is given the unit's buffers (``weight``, the host
@@ -292,8 +303,7 @@ class UnitOffload:
         self.compute_shard: torch.Tensor | None = None  # params=False: the shard in the compute dtype
         self.shard_version = -1  # version() the compute shard was built from
         self.shard_ready: Any = None  # overlap_step: the event of an upload made ahead (refresh_ahead)
-        # params=True with upload_ahead: the copy made ahead, its version and stream (consumed by one gather)
-        self.ahead: tuple[torch.Tensor, int, CommStream] | None = None
+        self.ahead: AheadCopy | None = None  # params=True with upload_ahead (consumed by one gather)
         self.compute_dtype = compute_dtype
         # compute_copy_on_host: the shard in the compute dtype in host memory, and the version it was cast from
         self.host_copy: torch.Tensor | None = None
@@ -351,19 +361,19 @@ class UnitOffload:
         copy lives from the step to that gather, while the activations are small."""
         if not (self.policy.upload_ahead and self.policy.main_params):
             return
-        if self.compute_shard is None:  # params=True: a copy for the next gather only
-            self.ahead = None  # one not consumed since the last step is stale now
-            with stream.enter():
-                stream.wait(after)
-                shard = self._to_device(self._upload_source()).to(self.compute_dtype)
-                self.shard_ready = stream.record()
-            self.ahead = (shard, self.version(), stream)
-            return
+        self.ahead = None  # params=True: one not consumed since the last step is stale now
         with stream.enter():
             stream.wait(after)
-            self.compute_shard.copy_(self._to_device(self._upload_source()))
-            self.shard_ready = stream.record()
-        self.shard_version = self.version()
+            upload = self._to_device(self._upload_source())
+            if self.compute_shard is not None:
+                self.compute_shard.copy_(upload)
+            else:  # params=True: a copy for the next gather only
+                upload = upload.to(self.compute_dtype)
+            ready = stream.record()
+        if self.compute_shard is not None:
+            self.shard_ready, self.shard_version = ready, self.version()
+        else:
+            self.ahead = AheadCopy(upload, self.version(), stream, ready)
 
     def refresh_host_copy(self) -> None:
         """``compute_copy_on_host`` (the worker, right after this unit's host step): cast the new
@@ -384,15 +394,12 @@ class UnitOffload:
     def _take_ahead(self) -> torch.Tensor | None:
         """``params=True``: the copy uploaded ahead, handed to this one gather (then the unit
         holds no device copy again), or None when there is none or the weights changed since."""
-        if self.ahead is None:
+        ahead, self.ahead = self.ahead, None
+        if ahead is None or ahead.version != self.version():
             return None
-        (shard, version, stream), self.ahead = self.ahead, None
-        ready, self.shard_ready = self.shard_ready, None
-        if version != self.version():
-            return None
-        current_stream_wait(self.device, ready)
-        stream.used_by_current(shard)  # made on the worker's stream: not reused before this gather read it
-        return shard
+        current_stream_wait(self.device, ahead.ready)
+        ahead.stream.used_by_current(ahead.tensor)  # made on the worker's stream: not reused before this gather read it
+        return ahead.tensor
 
     @property
     def has_ahead_copy(self) -> bool:

@@ -22,6 +22,7 @@ from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common.models import build_model, unit_classes
 from tests.functional.common.offload import full_tensor, train, window
+from tests.functional.common.reference import global_batch
 
 pytestmark = [pytest.mark.matrix(model="gpt", dtype="fp32", mesh=axes.mesh(2))]
 OVERLAP_ATTR = "_fsdp_offload_overlap"
@@ -95,7 +96,6 @@ def test_overlapped_step_equals_the_step_after_the_backward(step: str, strategy:
     _no_worker_left()
 
 
-
 @pytest.mark.distributed(world_size=2, timeout=300)
 @pytest.mark.parametrize("strategy", [2, 3], ids=["zero2", "zero3"])
 @pytest.mark.matrix(zero=matrix.param("strategy", axes.zero), offload="cpu_overlap", dtype="bf16")
@@ -130,7 +130,6 @@ def test_params_on_the_host_take_a_copy_uploaded_ahead(strategy: int, dist_env) 
     _assert_identical(late, runs[False], f"params=True, upload_ahead=False, ZeRO-{strategy}")
     assert not any(u.offload.has_ahead_copy for u in late[2]._fsdp_engine.units)
     _no_worker_left()
-
 
 
 @pytest.mark.distributed(world_size=2, timeout=300)
@@ -169,8 +168,8 @@ def test_uploads_send_the_compute_copy_made_on_the_host(params: bool, overlap: A
     assert torch.equal(got.float(), offload.weight.data.to(got.dtype).float()), "a stale host copy was sent"
     _no_worker_left()
 
+
 def _gpt_inputs(device: torch.device) -> list[torch.Tensor]:
-    from tests.functional.common.reference import global_batch
     inputs, _ = global_batch("gpt", 0, 2, torch.bfloat16)
     return [x.to(device) for x in inputs]
 
