@@ -245,6 +245,7 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int,
     step_times: list[float] = []
     totals: list[float] = []
     hidden: list[tuple[float, float]] = []  # per measured step: (ms hidden under the backward, ms in all)
+    phases: list[dict[str, float]] = []  # per measured step: the worker's seconds per phase (OverlapTimes.phases)
     last_t1 = 0.0
     profiler = None
     for i in range(warmup + steps):
@@ -272,6 +273,7 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int,
             if overlap is not None and overlap.last_times is not None:
                 # "forward": the cycle joined now is the last step's (its worker ran on into this forward)
                 hidden.append(overlap_share(overlap.last_times.busy, last_t1 if overlap.runs_on else t1))
+                phases.append(dict(overlap.last_times.phases))
         last_t1 = t1
     if profiler is not None and trace is not None:
         profiler.stop()
@@ -296,6 +298,8 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int,
         row["overlap_hidden_ms"] = median([h for h, _ in hidden])
         row["overlap_total_ms"] = median([t for _, t in hidden])
         row["overlap_share"] = median([h / t if t > 0 else 0.0 for h, t in hidden])
+        for phase in sorted({k for p in phases for k in p}):  # where the worker's time went
+            row[f"worker_{phase}_ms"] = 1e3 * median([p.get(phase, 0.0) for p in phases])
     return row
 
 

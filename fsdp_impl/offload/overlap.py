@@ -79,6 +79,15 @@ class OverlapTimes:
     landed: int = 0  # units queued as their grads landed, during the backward
     at_end: int = 0  # units queued at the end of the backward
     norm_hits: int = 0  # "clip": grads whose norm clip_grad_norm took from the backward's
+    # seconds the worker spent per phase ("grads": waiting for a unit's grads to land on the host;
+    # "step", "host_copy", "upload": ``_step_unit``'s parts): tells a link-bound cycle from a host-bound one
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def add(self, phase: str, since: float) -> float:
+        """Count the time from ``since`` to now against ``phase``; return now."""
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - since
+        return now
 
     def hidden_share(self) -> float | None:
         """The share of the worker's busy time that lay before the end of the backward."""
@@ -236,6 +245,7 @@ class OverlappedStep:
             start = time.perf_counter()
             with record_function(label):  # what a trace shows against the backward's compute
                 wait_on_host(event)  # the unit's grads are in host memory
+                cycle.times.add("grads", start)
                 with current(self.device), torch.no_grad():
                     work()
             cycle.times.busy.append((start, time.perf_counter()))
@@ -263,10 +273,14 @@ class OverlappedStep:
             return
         grad_of = _grad_reader(decoupled)
         if self.policy.step == "cpu":  # with the hyper-parameters of the cycle's start (checked at step())
+            times, since = cycle.times, time.perf_counter()
             host_step_units(optimizer, [unit], grad_of, cycle.snapshot)
+            since = times.add("step", since)
             assert unit.offload is not None
             unit.offload.refresh_host_copy()
+            since = times.add("host_copy", since)
             unit.offload.refresh_ahead(self.stream, landed)
+            times.add("upload", since)
             return
         engines = list(optimizer._fsdp_engines)  # type: ignore[attr-defined]
         runner = runner_of(optimizer, engines, self.policy, self.device)
