@@ -342,7 +342,38 @@ def bandwidth(gib: float = 1.0, repeat: int = 5) -> dict[str, float]:
     nbytes = n * 4
     return {"h2d_gbps": nbytes / timed(lambda: dev.copy_(host, non_blocking=True)) / 1e9,
             "d2h_gbps": nbytes / timed(lambda: host2.copy_(dev2, non_blocking=True)) / 1e9,
-            "duplex_each_gbps": nbytes / timed(both) / 1e9}
+            "duplex_each_gbps": nbytes / timed(both) / 1e9, **host_bandwidth(host, host2, repeat)}
+
+
+def host_bandwidth(a: torch.Tensor, b: torch.Tensor, repeat: int = 5) -> dict[str, float]:
+    """Host memory bandwidth in GB/s (bytes read + written), at the caller's intra-op width and one
+    thread narrower (the overlapped step's worker): a plain copy, and fused CPU AdamW (28 bytes a
+    param: param, grad, two moments read; param, two moments written). What bounds an offloaded step
+    whose host work outruns its transfers."""
+    n = a.numel() // 4
+    p, g, m, v = (a[i * n:(i + 1) * n] for i in range(4))
+    step = torch.ones(())  # the kernel divides by 1 - beta ** step: step 0 would make NaNs
+
+    def adam() -> None:
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-9, beta1=0.9, beta2=0.95,  # type: ignore[attr-defined]
+                            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
+
+    def timed(fn: Any) -> float:
+        fn()
+        t = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        return (time.perf_counter() - t) / repeat
+
+    a.zero_()  # zero moments: the step's arithmetic stays finite
+    width = torch.get_num_threads()
+    out: dict[str, float] = {}
+    for threads, tag in ((width, ""), (max(1, width - 1), "_spare")):
+        torch.set_num_threads(threads)
+        out[f"host_copy{tag}_gbps"] = 2 * a.numel() * 4 / timed(lambda: b.copy_(a)) / 1e9
+        out[f"host_adam{tag}_gbps"] = 28 * n / timed(adam) / 1e9
+    torch.set_num_threads(width)
+    return out
 
 
 # ----------------------------------------------------------------------------------- driver

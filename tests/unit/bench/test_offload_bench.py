@@ -53,6 +53,10 @@ def test_a_cell_runs_in_its_own_process_and_a_failure_is_a_row() -> None:
     assert late["status"] == "ok" and late["losses"] == row["losses"], (late, row)
     half = offload_bench._spawn("ours-cpu-hostall-hostcopy-overlap", "tiny", args)  # uploads the host bf16 copy
     assert half["status"] == "ok" and half["losses"] == row["losses"], (half, row)
+    # where the worker's time went: each phase of its unit tasks, their sum within its busy time
+    phases = {k: v for k, v in half.items() if k.startswith("worker_")}
+    assert set(phases) == {f"worker_{p}_ms" for p in ("grads", "step", "host_copy", "upload")}, half
+    assert phases["worker_step_ms"] > 0 and sum(phases.values()) <= half["overlap_total_ms"] * 1.001, half
     args.steps = 2  # the step running on into the forward: the same losses, its share measured
     runs_on = offload_bench._spawn("ours-cpu-hostall-forward", "tiny", args)
     base = offload_bench._spawn("ours-cpu-hostall-overlap", "tiny", args)
@@ -82,6 +86,18 @@ def test_overlap_cells_their_policy_bytes_and_hidden_share() -> None:
     hidden, total = offload_bench.overlap_share(busy, 0.008)
     assert hidden == pytest.approx(8.0) and total == pytest.approx(12.0)
     assert offload_bench.overlap_share([], 1.0) == (0.0, 0.0)
+
+
+def test_host_bandwidth_counts_bytes_read_and_written_and_restores_the_width() -> None:
+    """The host memory probe (``--bandwidth``): GB/s of a copy and of fused AdamW, at the caller's
+    width and one thread narrower; the caller's width is left as it was."""
+    width = torch.get_num_threads()
+    a, b = torch.empty(1 << 20), torch.empty(1 << 20)
+    out = offload_bench.host_bandwidth(a, b, repeat=2)
+    assert torch.get_num_threads() == width
+    keys = {f"host_{kind}{tag}_gbps" for kind in ("copy", "adam") for tag in ("", "_spare")}
+    assert set(out) == keys and all(0 < v < 1e5 for v in out.values()), out
+    assert torch.isfinite(a).all()  # the probe's AdamW ran on zeros: nothing non-finite left behind
 
 
 def test_clip_cells_are_put_against_the_anchor_clipping_too() -> None:
