@@ -34,6 +34,7 @@ from tests.functional.common.graph_training import (
     eager_steps,
     full_params,
     make_step_fn,
+    warmup_then_steps,
     wrap,
 )
 from tests.unit.compile.compile_checks import AOT, CPU, STEPS, assert_compiled
@@ -99,15 +100,16 @@ def test_capture_train_step_with_compiled_units(dist_env) -> None:  # pragma: no
     ref, ref_opt = wrap(case, device, graph_mode=True)
     model, opt = wrap(case, device, graph_mode=True, compile_units=AOT)
     from tests.functional.common.graph_training import batch
-    inputs = tuple(t.clone() for t in batch(0, device, case.dtype))
-    captured = capture_train_step(model, opt, make_step_fn(model), inputs, warmup=3)
-    want = eager_steps(ref, ref_opt, range(3), device, case.dtype)
+    warm = batch(0, device, case.dtype)
+    captured = capture_train_step(model, opt, make_step_fn(model), tuple(t.clone() for t in warm), warmup=3)
     got = []
-    for step in range(3, 6):
+    for step in range(1, 4):
         captured.copy_inputs(*batch(step, device, case.dtype))
         got.append(captured.replay().clone())
-    want += eager_steps(ref, ref_opt, range(3, 6), device, case.dtype)
-    assert [x.item() for x in got] == [x.item() for x in want[3:]]
+    # the eager twin: the capture's 3 warm-up steps on its static batch, then one step per batch
+    want = warmup_then_steps(ref_opt, make_step_fn(ref), warm, 3, [batch(k, device, case.dtype) for k in range(1, 4)])
+    assert [x.item() for x in got] == [x.item() for x in want]
+    assert_params_equal(full_params(model), full_params(ref), "captured compiled units vs eager")
     assert_compiled(model.compile_stats, units=3)
 
 
