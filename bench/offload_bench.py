@@ -75,6 +75,12 @@ CELLS = {
                                           "each unit's new weights to bf16 in host memory; every upload sends 2 bytes "
                                           "a param instead of 4; +2 host bytes a param)"),
     "ours-cpu-hostall-hostcopy-forward": "as ours-cpu-hostall-hostcopy-overlap with overlap_step='forward'",
+    "ours-cpu-hostall-devcopy-overlap": ("as ours-cpu-hostall-overlap + compute_copy_on_host='device' (the device's "
+                                         "bf16 cast of each copy uploaded ahead goes down to the host; the backward's "
+                                         "gathers send it: 2 bytes a param up, not 4, 2 more down, no host cast)"),
+    "ours-cpu-hostall-devcopy-forward": "as ours-cpu-hostall-devcopy-overlap with overlap_step='forward'",
+    "ours-cpu-hostall-wide-overlap": ("as ours-cpu-hostall-overlap with step_threads = the caller's width (the "
+                                      "default leaves one core to the thread driving the device)"),
     "ours-cpu-hostall-lateup-overlap": ("as ours-cpu-hostall-overlap with upload_ahead=False (both gathers upload "
                                         "from the host)"),
     "ours-cpu-forward": ("as ours-cpu + overlap_step='forward' (the host step overlaps the backward and runs on "
@@ -133,6 +139,11 @@ def overlap_share(busy: list[tuple[float, float]], backward_end: float) -> tuple
     return 1e3 * hidden, 1e3 * total
 
 
+def host_copy_mode(base: str) -> bool | str:
+    """``OffloadPolicy.compute_copy_on_host`` of a cell: -hostcopy casts on the host, -devcopy on the device."""
+    return True if "hostcopy" in base else "device" if "devcopy" in base else False
+
+
 def offload_bytes(cell: str, n: int) -> tuple[int, int]:
     """(H2D, D2H) bytes one training step of ``cell`` moves between host and device, per rank of
     1, fp32 main params/grads/moments, bf16 compute, ZeRO-3 (two gathers per step)."""
@@ -150,6 +161,10 @@ def offload_bytes(cell: str, n: int) -> tuple[int, int]:
         return 2 * 4 * n, 4 * n
     if cell == "ours-cpu-hostall-hostcopy":  # the host bf16 copy up for each of 2 gathers, grads down
         return 2 * 2 * n, 4 * n
+    if cell == "ours-cpu-hostall-devcopy":  # fp32 up ahead, its bf16 cast down, that copy up again; grads down
+        return 4 * n + 2 * n, 4 * n + 2 * n
+    if cell == "ours-cpu-hostall-wide":
+        return offload_bytes("ours-cpu-hostall", n)
     if cell.startswith("fsdp2-offload"):  # fp32 sharded params up for each of 2 gathers, grads down
         return 2 * 4 * n, 4 * n
     return 0, 0
@@ -188,11 +203,14 @@ def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Mo
         elif base == "ours-gpu-hostall":
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(params=True, grads=True, pin_memory=pin,
                                                                overlap_step=overlap)
-        elif base.startswith("ours-cpu"):  # -hostall: params=True, -lateup: no upload ahead, -hostcopy: host bf16
+        elif base.startswith("ours-cpu"):  # -hostall: params=True, -lateup: no upload ahead, -hostcopy/-devcopy:
+            # a host bf16 copy cast on the host / on the device, -wide: the worker as wide as the caller
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu", params="hostall" in base,
                                                                pin_memory=pin, overlap_step=overlap,
                                                                upload_ahead="lateup" not in base,
-                                                               compute_copy_on_host="hostcopy" in base)
+                                                               compute_copy_on_host=host_copy_mode(base),
+                                                               step_threads=torch.get_num_threads() if "wide" in base
+                                                               else None)
         lean = base == "ours-gpu-lean"
         policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                                 main_grads_dtype=torch.bfloat16 if lean else torch.float32)

@@ -61,6 +61,10 @@ STEPS: tuple[StepMode, ...] = get_args(StepMode)
 # ``clip_grad_norm``, which needs every grad before any step) the grads' copies and norms only
 OverlapMode = Literal[False, True, "clip", "forward"]
 OVERLAP_MODES: tuple[OverlapMode, ...] = (False, True, "clip", "forward")
+# Where the host compute-dtype copy is cast (``OffloadPolicy.compute_copy_on_host``): none, on the
+# host by the worker (True), or on the device from the copy uploaded ahead, then downloaded
+HostCopyMode = Literal[False, True, "device"]
+HOST_COPY_MODES: tuple[HostCopyMode, ...] = (False, True, "device")
 MIN_CHUNK_BYTES = 4096
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
@@ -94,10 +98,17 @@ class OffloadPolicy:
       shortens the forward, and costs the host step the copy's host-memory traffic while both
       run; False keeps the upload in the forward. Same numbers either way.
     * ``compute_copy_on_host`` (False): with ``step="cpu"`` and ``overlap_step`` True/``"forward"``,
-      also keep a compute-dtype copy of each shard in (pinned) host memory, cast by the worker
-      right after the unit's host step; every upload of the new weights (made ahead, the
-      gathers') then sends that copy: 2 bytes a param instead of 4 at bf16 compute, for 2 more
-      host bytes a param. The host cast rounds as the device cast does: same bits.
+      also keep a compute-dtype copy of each shard in (pinned) host memory, for 2 more host bytes
+      a param. ``True``: the worker casts it on the host right after the unit's host step, and
+      every upload of the new weights (made ahead, the gathers') sends it: 2 bytes a param
+      instead of 4 at bf16 compute, for a host pass of 6 bytes a param on the worker.
+      ``"device"`` (``params=True`` with ``upload_ahead``): the copy is the device's cast of the
+      upload made ahead, downloaded right after it on the worker's stream: the ahead upload stays
+      fp32, the backward's gathers send 2 bytes a param, the link carries 2 bytes a param more
+      down, and the host does no cast. Both casts round as the gathers' device cast: same bits.
+    * ``step_threads`` (None): intra-op threads of the overlapped host step (``step="cpu"`` with
+      ``overlap_step`` True/``"forward"``); None takes one fewer than the caller's, leaving a
+      core to the thread that drives the device. Adam is elementwise: same bits at any width.
     * ``overlap_step`` (False): overlap the optimizer step with the backward (``overlap.py``);
       needs the grads in host memory and Adam/AdamW. ``True``: as each unit's reduced grads land
       (the sync backward of an accumulation only), that unit steps in a worker thread
@@ -125,12 +136,14 @@ class OffloadPolicy:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     overlap_step: OverlapMode = False
     upload_ahead: bool = True
-    compute_copy_on_host: bool = False
+    compute_copy_on_host: HostCopyMode = False
+    step_threads: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("optimizer_state", "main_params", "params", "pin_memory", "upload_ahead", "compute_copy_on_host"):
+        for name in ("optimizer_state", "main_params", "params", "pin_memory", "upload_ahead"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"OffloadPolicy.{name} must be True or False, got {getattr(self, name)!r}")
+        self._check_host_step()
         if self.grads is not None and not isinstance(self.grads, bool):
             raise TypeError(f"OffloadPolicy.grads must be None, True or False, got {self.grads!r}")
         if self.step not in STEPS:
@@ -162,13 +175,31 @@ class OffloadPolicy:
             raise ValueError(f"OffloadPolicy(overlap_step={self.overlap_step!r}) overlaps the step with the grads' "
                              "copies to host memory, so the grads must be on the host: pass grads=True or None "
                              "with main_params=True, or overlap_step=False")
-        if self.compute_copy_on_host and not (self.step == "cpu" and self.steps_in_backward):
-            raise ValueError("OffloadPolicy(compute_copy_on_host=True) keeps a copy that the overlapped host step "
-                             "refreshes after each unit's update, so it needs step='cpu' and overlap_step True or "
-                             f"'forward', got step={self.step!r}, overlap_step={self.overlap_step!r}")
         if not (self.optimizer_state or self.main_params or self.grads):
             raise ValueError("OffloadPolicy offloads nothing (optimizer_state, main_params and grads are all "
                              "off); pass offload_policy=None instead")
+
+    def _check_host_step(self) -> None:
+        """``compute_copy_on_host`` and ``step_threads``: what they take and what they need."""
+        copy = self.compute_copy_on_host
+        if not any(copy is mode or (isinstance(copy, str) and copy == mode) for mode in HOST_COPY_MODES):
+            raise ValueError(f"OffloadPolicy.compute_copy_on_host must be one of {HOST_COPY_MODES}, got {copy!r}")
+        overlapped = self.step == "cpu" and (self.overlap_step is True or self.overlap_step == "forward")
+        if copy is not False and not overlapped:
+            raise ValueError(f"OffloadPolicy(compute_copy_on_host={copy!r}) keeps a copy that the overlapped host "
+                             "step refreshes after each unit's update, so it needs step='cpu' and overlap_step True "
+                             f"or 'forward', got step={self.step!r}, overlap_step={self.overlap_step!r}")
+        if copy == "device" and not (self.params and self.upload_ahead):
+            raise ValueError("OffloadPolicy(compute_copy_on_host='device') downloads the device's cast of the copy "
+                             "uploaded ahead, so it needs params=True and upload_ahead=True, got "
+                             f"params={self.params}, upload_ahead={self.upload_ahead}")
+        threads = self.step_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"OffloadPolicy.step_threads must be None or an int >= 1, got {threads!r}")
+        if threads is not None and not overlapped:
+            raise ValueError(f"OffloadPolicy(step_threads={threads}) sets the width of the overlapped host step, so "
+                             f"it needs step='cpu' and overlap_step True or 'forward', got step={self.step!r}, "
+                             f"overlap_step={self.overlap_step!r}")
 
     @property
     def steps_in_backward(self) -> bool:
@@ -308,7 +339,8 @@ class UnitOffload:
         # compute_copy_on_host: the shard in the compute dtype in host memory, and the version it was cast from
         self.host_copy: torch.Tensor | None = None
         self.host_copy_version = -1
-        if policy.compute_copy_on_host:
+        self.host_copy_ready: Any = None  # "device": the event of its download (an upload from it waits)
+        if policy.compute_copy_on_host is not False:
             numel = weight.data.numel()
             self.host_copy = (pinned_zeros(numel, compute_dtype) if policy.pin_memory
                               else torch.zeros(numel, dtype=compute_dtype, device=host_device()))
@@ -370,24 +402,38 @@ class UnitOffload:
             else:  # params=True: a copy for the next gather only
                 upload = upload.to(self.compute_dtype)
             ready = stream.record()
+            if self.policy.compute_copy_on_host == "device":
+                self._download_host_copy(upload, stream)
         if self.compute_shard is not None:
             self.shard_ready, self.shard_version = ready, self.version()
         else:
             self.ahead = AheadCopy(upload, self.version(), stream, ready)
 
     def refresh_host_copy(self) -> None:
-        """``compute_copy_on_host`` (the worker, right after this unit's host step): cast the new
-        weights into the host copy. Nothing still reads it: the unit's gathers of this step came
-        before its grads landed, and the last upload made ahead was waited for by the forward."""
-        if self.host_copy is None:
+        """``compute_copy_on_host=True`` (the worker, right after this unit's host step): cast the
+        new weights into the host copy. Nothing still reads it: the unit's gathers of this step
+        came before its grads landed, and the last upload made ahead was waited for by the forward."""
+        if self.host_copy is None or self.policy.compute_copy_on_host is not True:
             return
         self.host_copy.copy_(self.weight.data)
         self.host_copy_version = self.version()
 
+    def _download_host_copy(self, cast: torch.Tensor, stream: CommStream) -> None:
+        """``compute_copy_on_host="device"`` (on ``stream``, after the copy uploaded ahead was cast):
+        download that cast into the host copy for the gathers that upload again (the backward's).
+        Ordered after the unit's grad landing (``refresh_ahead``'s wait), so after this step's
+        uploads from the host copy; ``cast`` was made on ``stream``, so it is not reused before."""
+        assert self.host_copy is not None
+        self.host_copy.copy_(cast, non_blocking=self.non_blocking)
+        self.host_copy_version = self.version()
+        self.host_copy_ready = stream.record()
+
     def _upload_source(self) -> torch.Tensor:
-        """What an upload of the current weights sends: the host compute-dtype copy when it was
-        cast from them (``compute_copy_on_host``), else the main shard (cast on the device)."""
+        """What an upload of the current weights sends (call on the stream that uploads): the
+        host compute-dtype copy when it was cast from them (``compute_copy_on_host``; a download
+        in flight is waited for), else the main shard (cast on the device)."""
         if self.host_copy is not None and self.host_copy_version == self.version():
+            current_stream_wait(self.device, self.host_copy_ready)
             return self.host_copy
         return self.weight.data
 

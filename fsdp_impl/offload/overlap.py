@@ -225,11 +225,13 @@ class OverlappedStep:
         return self.cycle
 
     def _worker_threads(self) -> int:
-        """The worker's intra-op width: with ``step="cpu"`` steps one core fewer than the caller's
-        (``spare_threads``: Adam is elementwise, so the same bits); norms (``"clip"``, a reduction)
-        and the streamed step keep the caller's."""
+        """The worker's intra-op width: with ``step="cpu"`` steps ``OffloadPolicy.step_threads``,
+        by default one core fewer than the caller's (``spare_threads``: Adam is elementwise, so the
+        same bits); norms (``"clip"``, a reduction) and the streamed step keep the caller's."""
         width = torch.get_num_threads()
-        return spare_threads(width) if self.steps and self.policy.step == "cpu" else width
+        if not (self.steps and self.policy.step == "cpu"):
+            return width
+        return self.policy.step_threads if self.policy.step_threads is not None else spare_threads(width)
 
     def _submit(self, cycle: _Cycle, engine: FSDPEngine, unit: FSDPUnit, event: Any) -> None:
         cycle.units.append(unit)

@@ -169,6 +169,43 @@ def test_uploads_send_the_compute_copy_made_on_the_host(params: bool, overlap: A
     _no_worker_left()
 
 
+@pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.parametrize("overlap", [True, "forward"], ids=["overlap", "forward"])
+@pytest.mark.matrix(zero="optim_grads_params", offload="cpu_overlap", dtype="bf16")
+def test_backward_gathers_send_the_device_cast_brought_down(overlap: Any, dist_env) -> None:
+    """compute_copy_on_host='device', params=True, bf16 compute, ZeRO-3: the device's cast of each
+    copy uploaded ahead comes down into the host copy, and the backward's gathers send it; the
+    numbers equal overlap_step=False bit for bit. The forward's gather takes the copy ahead (not
+    the host copy); a host copy changed behind the weights' back shows in the next upload from
+    the host, and a stale one is never sent."""
+    device = dist_env.device
+    runs = {}
+    for mode in (False, overlap):
+        policy = dataclasses.replace(_overlap_policy("cpu", device, mode), params=True,
+                                     compute_copy_on_host="device" if mode is not False else False)
+        runs[mode] = train("gpt", device, dict(zero_dp_strategy=3, offload_policy=policy), steps=4,
+                           dtype=torch.bfloat16)
+    _assert_identical(runs[overlap], runs[False], f"compute_copy_on_host='device', overlap={overlap}")
+    fsdp_impl.wait_for_step(runs[overlap][3])
+    units = runs[overlap][2]._fsdp_engine.units
+    for unit in units:
+        offload = unit.offload
+        assert offload.host_copy is not None and offload.host_copy.dtype == torch.bfloat16, unit.name
+        assert offload.host_copy_version == offload.version(), f"{unit.name}: host copy not brought down"
+        assert torch.equal(offload.host_copy, offload.weight.data.to(torch.bfloat16)), f"{unit.name}: stale host copy"
+        assert offload.has_ahead_copy, f"{unit.name}: no copy uploaded ahead"
+    offload = units[-1].offload
+    offload.host_copy.fill_(3.0)  # behind the weights' back: only the host copy says 3
+    first = offload.gather_source()  # the forward's: the copy made ahead
+    assert torch.equal(first, offload.weight.data.to(torch.bfloat16)), "the forward's gather skipped the copy ahead"
+    assert torch.all(offload.gather_source() == 3.0), "the backward's gather did not send the host copy"
+    with torch.no_grad():
+        offload.weight.data.mul_(2.0)  # the weights moved on: the copy is stale
+    got = offload.gather_source()
+    assert got.dtype == offload.weight.data.dtype and torch.equal(got, offload.weight.data), "stale host copy sent"
+    _no_worker_left()
+
+
 def _gpt_inputs(device: torch.device) -> list[torch.Tensor]:
     inputs, _ = global_batch("gpt", 0, 2, torch.bfloat16)
     return [x.to(device) for x in inputs]

@@ -53,6 +53,8 @@ def test_a_cell_runs_in_its_own_process_and_a_failure_is_a_row() -> None:
     assert late["status"] == "ok" and late["losses"] == row["losses"], (late, row)
     half = offload_bench._spawn("ours-cpu-hostall-hostcopy-overlap", "tiny", args)  # uploads the host bf16 copy
     assert half["status"] == "ok" and half["losses"] == row["losses"], (half, row)
+    down = offload_bench._spawn("ours-cpu-hostall-devcopy-overlap", "tiny", args)  # the device's cast brought down
+    assert down["status"] == "ok" and down["losses"] == row["losses"], (down, row)
     # where the worker's time went: each phase of its unit tasks, their sum within its busy time
     phases = {k: v for k, v in half.items() if k.startswith("worker_")}
     assert set(phases) == {f"worker_{p}_ms" for p in ("grads", "step", "host_copy", "upload")}, half
@@ -82,6 +84,11 @@ def test_overlap_cells_their_policy_bytes_and_hidden_share() -> None:
     assert offload_bench.offload_bytes("ours-cpu-hostall-overlap", 10) == offload_bench.offload_bytes(
         "fsdp2-offload-fused", 10) == offload_bench.offload_bytes("ours-cpu-hostall-lateup-overlap", 10) == (80, 40)
     assert offload_bench.offload_bytes("ours-cpu-hostall-hostcopy-forward", 10) == (40, 40)  # bf16 up
+    assert offload_bench.offload_bytes("ours-cpu-hostall-devcopy-overlap", 10) == (60, 60)  # fp32 + bf16 up, bf16 down
+    assert offload_bench.offload_bytes("ours-cpu-hostall-wide-overlap", 10) == (80, 40)
+    assert [offload_bench.host_copy_mode(offload_bench.base_cell(c)) for c in (
+        "ours-cpu-hostall-overlap", "ours-cpu-hostall-hostcopy-forward", "ours-cpu-hostall-devcopy-overlap")] == [
+        False, True, "device"]
     busy = [(0.0, 0.004), (0.004, 0.010), (0.012, 0.014)]  # seconds; the backward ended at 8 ms
     hidden, total = offload_bench.overlap_share(busy, 0.008)
     assert hidden == pytest.approx(8.0) and total == pytest.approx(12.0)

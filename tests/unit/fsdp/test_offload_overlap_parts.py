@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from fsdp_impl.offload.host import OffloadPolicy
 from fsdp_impl.offload.optim import check_offload_optimizer
-from fsdp_impl.offload.overlap import OverlapTimes
+from fsdp_impl.offload.overlap import OverlappedStep, OverlapTimes
 from fsdp_impl.offload.worker import FORWARD_SWITCH_INTERVAL_S, StepWorker, spare_threads
 
 
@@ -51,9 +51,35 @@ def test_overlap_needs_host_grads(value: object) -> None:
 def test_compute_copy_on_host_needs_the_overlapped_host_step(kwargs: dict) -> None:
     with pytest.raises(ValueError, match=r"compute_copy_on_host=True\).* needs step='cpu' and overlap_step True"):
         OffloadPolicy(pin_memory=False, compute_copy_on_host=True, **kwargs)
-    with pytest.raises(TypeError, match="compute_copy_on_host must be True or False"):
-        OffloadPolicy(pin_memory=False, step="cpu", overlap_step=True, compute_copy_on_host=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"compute_copy_on_host='device'\).* needs step='cpu' and overlap_step True"):
+        OffloadPolicy(pin_memory=False, params=True, compute_copy_on_host="device", **kwargs)  # type: ignore[arg-type]
     OffloadPolicy(pin_memory=False, step="cpu", overlap_step="forward", compute_copy_on_host=True)
+
+
+@pytest.mark.parametrize("value", [1, 0, "host", None])
+def test_compute_copy_on_host_names_its_allowed_values(value: object) -> None:
+    allowed = r"\(False, True, 'device'\)"
+    with pytest.raises(ValueError, match=r"^OffloadPolicy\.compute_copy_on_host must be one of " + allowed):
+        OffloadPolicy(pin_memory=False, step="cpu", overlap_step=True, compute_copy_on_host=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kwargs", [dict(params=False), dict(params=True, upload_ahead=False)])
+def test_a_device_cast_host_copy_needs_host_params_uploaded_ahead(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match=r"compute_copy_on_host='device'\).*needs params=True and upload_ahead=True"):
+        OffloadPolicy(pin_memory=False, step="cpu", overlap_step=True, compute_copy_on_host="device", **kwargs)
+    OffloadPolicy(pin_memory=False, step="cpu", overlap_step=True, params=True, compute_copy_on_host="device")
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True, "4"])
+def test_step_threads_takes_a_positive_int(value: object) -> None:
+    with pytest.raises(ValueError, match=r"^OffloadPolicy\.step_threads must be None or an int >= 1, got "):
+        OffloadPolicy(pin_memory=False, step="cpu", overlap_step=True, step_threads=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kwargs", [dict(step="gpu", overlap_step=True), dict(step="cpu", overlap_step="clip")])
+def test_step_threads_needs_the_overlapped_host_step(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match=r"step_threads=3\) sets the width of the overlapped host step"):
+        OffloadPolicy(pin_memory=False, step_threads=3, **kwargs)
 
 
 def test_overlapped_steps_need_adam_but_clip_mode_takes_any_optimizer() -> None:
@@ -133,6 +159,20 @@ def test_worker_tasks_run_at_the_width_asked_and_the_callers_stays() -> None:
     thread.join()
     assert later == [caller]
     assert [spare_threads(w) for w in (1, 2, 16)] == [1, 1, 15]
+
+
+def test_the_host_step_runs_at_step_threads_else_one_core_fewer() -> None:
+    """``OffloadPolicy.step_threads`` sets the overlapped host step's width; None spares a core;
+    the norms of ``"clip"`` (a reduction) keep the caller's width."""
+    opt = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=0.1)
+    width = torch.get_num_threads()
+
+    def threads(**kwargs: object) -> int:
+        policy = OffloadPolicy(pin_memory=False, step="cpu", **kwargs)  # type: ignore[arg-type]
+        return OverlappedStep(opt, policy, torch.device("cpu"))._worker_threads()
+    assert threads(overlap_step=True) == threads(overlap_step="forward") == spare_threads(width)
+    assert threads(overlap_step=True, step_threads=7) == threads(overlap_step="forward", step_threads=7) == 7
+    assert threads(overlap_step="clip") == width
 
 
 def test_fused_host_adam_gives_the_same_bits_at_any_width() -> None:
