@@ -79,6 +79,7 @@ CELLS = {
                                          "bf16 cast of each copy uploaded ahead goes down to the host; the backward's "
                                          "gathers send it: 2 bytes a param up, not 4, 2 more down, no host cast)"),
     "ours-cpu-hostall-devcopy-forward": "as ours-cpu-hostall-devcopy-overlap with overlap_step='forward'",
+    "ours-cpu-hostall-devcopy-wide-overlap": "as ours-cpu-hostall-devcopy-overlap with step_threads as -wide",
     "ours-cpu-hostall-wide-overlap": ("as ours-cpu-hostall-overlap with step_threads = the caller's width (the "
                                       "default leaves one core to the thread driving the device)"),
     "ours-cpu-hostall-lateup-overlap": ("as ours-cpu-hostall-overlap with upload_ahead=False (both gathers upload "
@@ -161,7 +162,8 @@ def offload_bytes(cell: str, n: int) -> tuple[int, int]:
         return 2 * 4 * n, 4 * n
     if cell == "ours-cpu-hostall-hostcopy":  # the host bf16 copy up for each of 2 gathers, grads down
         return 2 * 2 * n, 4 * n
-    if cell == "ours-cpu-hostall-devcopy":  # fp32 up ahead, its bf16 cast down, that copy up again; grads down
+    if cell in ("ours-cpu-hostall-devcopy", "ours-cpu-hostall-devcopy-wide"):  # fp32 up ahead, its bf16 cast
+        # down, that copy up again; grads down
         return 4 * n + 2 * n, 4 * n + 2 * n
     if cell == "ours-cpu-hostall-wide":
         return offload_bytes("ours-cpu-hostall", n)
