@@ -132,6 +132,26 @@ def test_params_on_the_host_take_a_copy_uploaded_ahead(strategy: int, dist_env) 
     _no_worker_left()
 
 
+def _host_copy_units(device: torch.device, params: bool, overlap: Any, copy: Any) -> list:
+    """Train with ``compute_copy_on_host=copy`` and without overlap (bf16 compute, ZeRO-3):
+    bit-identical runs; every unit's host copy is the bf16 cast of its current weights. The units."""
+    runs = {}
+    for mode in (False, overlap):
+        policy = dataclasses.replace(_overlap_policy("cpu", device, mode), params=params,
+                                     compute_copy_on_host=copy if mode is not False else False)
+        runs[mode] = train("gpt", device, dict(zero_dp_strategy=3, offload_policy=policy), steps=4,
+                           dtype=torch.bfloat16)
+    _assert_identical(runs[overlap], runs[False], f"compute_copy_on_host={copy!r}, params={params}, overlap={overlap}")
+    fsdp_impl.wait_for_step(runs[overlap][3])
+    units = runs[overlap][2]._fsdp_engine.units
+    for unit in units:
+        offload = unit.offload
+        assert offload.host_copy is not None and offload.host_copy.dtype == torch.bfloat16, unit.name
+        assert offload.host_copy_version == offload.version(), f"{unit.name}: host copy not made after the step"
+        assert torch.equal(offload.host_copy, offload.weight.data.to(torch.bfloat16)), f"{unit.name}: stale host copy"
+    return units
+
+
 @pytest.mark.distributed(world_size=2, timeout=300)
 @pytest.mark.parametrize("params,overlap", [(True, True), (False, True), (True, "forward")],
                          ids=["host_params", "device_shard", "host_params-forward"])
@@ -142,21 +162,7 @@ def test_uploads_send_the_compute_copy_made_on_the_host(params: bool, overlap: A
     overlap_step=False bit for bit (the host cast rounds as the device cast). The gathers read
     the copy (a copy changed behind the weights' back shows in the next gather) and not once the
     weights moved on without it."""
-    device = dist_env.device
-    runs = {}
-    for mode in (False, overlap):
-        policy = dataclasses.replace(_overlap_policy("cpu", device, mode), params=params,
-                                     compute_copy_on_host=mode is not False)
-        runs[mode] = train("gpt", device, dict(zero_dp_strategy=3, offload_policy=policy), steps=4,
-                           dtype=torch.bfloat16)
-    _assert_identical(runs[overlap], runs[False], f"compute_copy_on_host, params={params}, overlap={overlap}")
-    fsdp_impl.wait_for_step(runs[overlap][3])
-    units = runs[overlap][2]._fsdp_engine.units
-    for unit in units:
-        offload = unit.offload
-        assert offload.host_copy is not None and offload.host_copy.dtype == torch.bfloat16, unit.name
-        assert offload.host_copy_version == offload.version(), f"{unit.name}: host copy not refreshed"
-        assert torch.equal(offload.host_copy, offload.weight.data.to(torch.bfloat16)), f"{unit.name}: stale host copy"
+    units = _host_copy_units(dist_env.device, params, overlap, True)
     offload = units[-1].offload
     offload.ahead, offload.shard_version = None, -1  # the next gather uploads
     offload.host_copy.fill_(3.0)  # behind the weights' back: only the copy says 3
@@ -178,22 +184,8 @@ def test_backward_gathers_send_the_device_cast_brought_down(overlap: Any, dist_e
     numbers equal overlap_step=False bit for bit. The forward's gather takes the copy ahead (not
     the host copy); a host copy changed behind the weights' back shows in the next upload from
     the host, and a stale one is never sent."""
-    device = dist_env.device
-    runs = {}
-    for mode in (False, overlap):
-        policy = dataclasses.replace(_overlap_policy("cpu", device, mode), params=True,
-                                     compute_copy_on_host="device" if mode is not False else False)
-        runs[mode] = train("gpt", device, dict(zero_dp_strategy=3, offload_policy=policy), steps=4,
-                           dtype=torch.bfloat16)
-    _assert_identical(runs[overlap], runs[False], f"compute_copy_on_host='device', overlap={overlap}")
-    fsdp_impl.wait_for_step(runs[overlap][3])
-    units = runs[overlap][2]._fsdp_engine.units
-    for unit in units:
-        offload = unit.offload
-        assert offload.host_copy is not None and offload.host_copy.dtype == torch.bfloat16, unit.name
-        assert offload.host_copy_version == offload.version(), f"{unit.name}: host copy not brought down"
-        assert torch.equal(offload.host_copy, offload.weight.data.to(torch.bfloat16)), f"{unit.name}: stale host copy"
-        assert offload.has_ahead_copy, f"{unit.name}: no copy uploaded ahead"
+    units = _host_copy_units(dist_env.device, True, overlap, "device")
+    assert all(u.offload.has_ahead_copy for u in units), "a unit has no copy uploaded ahead"
     offload = units[-1].offload
     offload.host_copy.fill_(3.0)  # behind the weights' back: only the host copy says 3
     first = offload.gather_source()  # the forward's: the copy made ahead
