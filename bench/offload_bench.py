@@ -416,11 +416,13 @@ def _spawn(cell: str, size: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def sweep(cells: list[str], sizes: list[str], args: argparse.Namespace,
-          spawn: Callable[[str, str, argparse.Namespace], dict[str, Any]] = _spawn) -> list[dict[str, Any]]:
+          spawn: Callable[[str, str, argparse.Namespace], dict[str, Any]] = _spawn,
+          on_row: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Each size in order; at each size ``args.reps`` rounds, each running every cell still in the
     race once in a fresh process (rounds alternate the cells, so a drift of the host's speed falls
     on all of them alike). A cell leaves at its first failed run (the larger sizes are not tried).
-    One row per run (``rep``: its round), printed as it ends; ``medians`` folds them."""
+    One row per run (``rep``: its round), printed as it ends and passed with the rows so far to
+    ``on_row`` (``--out`` keeps what ran if the sweep is stopped); ``medians`` folds them."""
     rows: list[dict[str, Any]] = []
     alive = list(cells)
     for size in sizes:
@@ -430,6 +432,8 @@ def sweep(cells: list[str], sizes: list[str], args: argparse.Namespace,
                 row["rep"] = rep
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if on_row is not None:
+                    on_row(rows)
                 if row.get("status") != "ok":
                     alive.remove(cell)
         if not alive:
@@ -546,7 +550,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.bandwidth:
         return
     sizes = args.sizes or [args.size]
-    runs = sweep(args.cells, sizes, args)
+
+    def save(runs: list[dict[str, Any]], complete: bool) -> None:
+        if args.out is not None:
+            write_results(args.out, {"bandwidth": bw, "anchor": ANCHOR, "cells": medians(runs), "runs": runs,
+                                     "complete": complete})
+    runs = sweep(args.cells, sizes, args, on_row=lambda rows: save(rows, False))
     rows = medians(runs)
     print(f"Medians of {args.reps} fresh-process run(s) per cell; anchor: {ANCHOR}")
     print(_table(rows, bw))
@@ -554,8 +563,14 @@ def main(argv: list[str] | None = None) -> None:
         print(largest(rows, args.cells, sizes))
     for cell in args.cells:
         print(f"- {cell}: {CELLS[cell]}")
-    if args.out is not None:
-        args.out.write_text(json.dumps({"bandwidth": bw, "anchor": ANCHOR, "cells": rows, "runs": runs}, indent=2))
+    save(runs, True)
+
+
+def write_results(path: Path, results: dict[str, Any]) -> None:
+    """``results`` as JSON at ``path``, replaced whole (a stopped driver leaves the last full file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ row; the table puts each offloaded step against its host<->device bytes over the
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -135,7 +136,10 @@ def test_a_size_sweep_steps_each_cell_up_until_it_does_not_train(capsys: pytest.
         return {"cell": cell, "size": size, "status": "OOM", "detail": "CUDA out of memory"}
 
     sizes = ["1.3b", "7b", "13b"]
-    rows = offload_bench.sweep(list(fits), sizes, argparse.Namespace(reps=1), spawn=spawn)
+    seen: list[int] = []
+    rows = offload_bench.sweep(list(fits), sizes, argparse.Namespace(reps=1), spawn=spawn,
+                               on_row=lambda so_far: seen.append(len(so_far)))
+    assert seen == [1, 2, 3, 4, 5]  # the rows so far after each run (what --out keeps if stopped)
     # fsdp2-offload stops at its first failure: 13b is not tried after 7b ran out of memory
     assert calls == [("ours-gpu-hostall", "1.3b"), ("fsdp2-offload", "1.3b"), ("ours-gpu-hostall", "7b"),
                      ("fsdp2-offload", "7b"), ("ours-gpu-hostall", "13b")]
@@ -144,6 +148,14 @@ def test_a_size_sweep_steps_each_cell_up_until_it_does_not_train(capsys: pytest.
         "Largest size trained:", "- ours-gpu-hostall: 7b (300 tokens/s, peak 9.00 GiB)",
         "- fsdp2-offload: 1.3b (200 tokens/s, peak 9.00 GiB)"]
     assert offload_bench.largest([], ["ours"], sizes).endswith("- ours: none of 1.3b,7b,13b")
+
+
+def test_results_are_replaced_whole(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    offload_bench.write_results(out, {"cells": [1], "complete": False})
+    offload_bench.write_results(out, {"cells": [1, 2], "complete": True})
+    assert json.loads(out.read_text()) == {"cells": [1, 2], "complete": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # no temporary left
 
 
 def test_medians_of_fresh_runs_are_put_against_fsdp2_with_its_fused_adamw() -> None:
