@@ -148,7 +148,7 @@ def host_copy_mode(base: str) -> bool | str:
 def offload_bytes(cell: str, n: int) -> tuple[int, int]:
     """(H2D, D2H) bytes one training step of ``cell`` moves between host and device, per rank of
     1, fp32 main params/grads/moments, bf16 compute, ZeRO-3 (two gathers per step)."""
-    cell = base_cell(cell)
+    cell = base_cell(cell).replace("-wide", "")  # the host step's width moves no byte
     if cell == "ours-gpu":  # window: main + 2 moments + grads in, main + 2 moments out; grads down after the
         return 16 * n, 12 * n + 4 * n  # backward; gathers from the device compute shard (refreshed from the window)
     if cell == "ours-gpu-hostall":  # window also streams the grads in; grads down after backward; 2 gathers from host
@@ -162,11 +162,8 @@ def offload_bytes(cell: str, n: int) -> tuple[int, int]:
         return 2 * 4 * n, 4 * n
     if cell == "ours-cpu-hostall-hostcopy":  # the host bf16 copy up for each of 2 gathers, grads down
         return 2 * 2 * n, 4 * n
-    if cell in ("ours-cpu-hostall-devcopy", "ours-cpu-hostall-devcopy-wide"):  # fp32 up ahead, its bf16 cast
-        # down, that copy up again; grads down
+    if cell == "ours-cpu-hostall-devcopy":  # fp32 up ahead, its bf16 cast down, that copy up again; grads down
         return 4 * n + 2 * n, 4 * n + 2 * n
-    if cell == "ours-cpu-hostall-wide":
-        return offload_bytes("ours-cpu-hostall", n)
     if cell.startswith("fsdp2-offload"):  # fp32 sharded params up for each of 2 gathers, grads down
         return 2 * 4 * n, 4 * n
     return 0, 0

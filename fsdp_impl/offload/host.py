@@ -182,9 +182,9 @@ class OffloadPolicy:
     def _check_host_step(self) -> None:
         """``compute_copy_on_host`` and ``step_threads``: what they take and what they need."""
         copy = self.compute_copy_on_host
-        if not any(copy is mode or (isinstance(copy, str) and copy == mode) for mode in HOST_COPY_MODES):
+        if not (copy is False or copy is True or copy == "device"):
             raise ValueError(f"OffloadPolicy.compute_copy_on_host must be one of {HOST_COPY_MODES}, got {copy!r}")
-        overlapped = self.step == "cpu" and (self.overlap_step is True or self.overlap_step == "forward")
+        overlapped = self.step == "cpu" and self.steps_in_backward
         if copy is not False and not overlapped:
             raise ValueError(f"OffloadPolicy(compute_copy_on_host={copy!r}) keeps a copy that the overlapped host "
                              "step refreshes after each unit's update, so it needs step='cpu' and overlap_step True "
