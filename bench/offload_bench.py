@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -82,6 +83,9 @@ CELLS = {
     "ours-cpu-hostall-devcopy-wide-overlap": "as ours-cpu-hostall-devcopy-overlap with step_threads as -wide",
     "ours-cpu-hostall-wide-overlap": ("as ours-cpu-hostall-overlap with step_threads = the caller's width (the "
                                       "default leaves one core to the thread driving the device)"),
+    **{f"ours-cpu-hostall-dev{k}-overlap": (f"as ours-cpu-hostall-overlap + device_step_units={k} (the first {k} "
+                                             "units in forward order step on the device inside the overlapped step)")
+       for k in (4, 8, 12)},
     "ours-cpu-hostall-lateup-overlap": ("as ours-cpu-hostall-overlap with upload_ahead=False (both gathers upload "
                                         "from the host)"),
     "ours-cpu-forward": ("as ours-cpu + overlap_step='forward' (the host step overlaps the backward and runs on "
@@ -143,6 +147,12 @@ def overlap_share(busy: list[tuple[float, float]], backward_end: float) -> tuple
 def host_copy_mode(base: str) -> bool | str:
     """``OffloadPolicy.compute_copy_on_host`` of a cell: -hostcopy casts on the host, -devcopy on the device."""
     return True if "hostcopy" in base else "device" if "devcopy" in base else False
+
+
+def device_step_units(base: str) -> int:
+    """``OffloadPolicy.device_step_units`` of a cell: ``-dev<N>``."""
+    found = re.search(r"-dev(\d+)", base)
+    return int(found.group(1)) if found else 0
 
 
 def offload_bytes(cell: str, n: int) -> tuple[int, int]:
@@ -209,7 +219,8 @@ def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Mo
                                                                upload_ahead="lateup" not in base,
                                                                compute_copy_on_host=host_copy_mode(base),
                                                                step_threads=torch.get_num_threads() if "wide" in base
-                                                               else None)
+                                                               else None,
+                                                               device_step_units=device_step_units(base))
         lean = base == "ours-gpu-lean"
         policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32,
                                                 main_grads_dtype=torch.bfloat16 if lean else torch.float32)

@@ -109,6 +109,14 @@ class OffloadPolicy:
     * ``step_threads`` (None): intra-op threads of the overlapped host step (``step="cpu"`` with
       ``overlap_step`` True/``"forward"``); None takes one fewer than the caller's, leaving a
       core to the thread that drives the device. Adam is elementwise: same bits at any width.
+    * ``device_step_units`` (0): with ``step="cpu"``, ``overlap_step=True`` and ``params=True``
+      (``upload_ahead``), the first N units of each model in forward order (the root first) step on
+      the device instead: their shard, grads and moments go up on a side stream, the
+      optimizer's kernel runs there, shard and moments come back down, and the cast new weights
+      are the next forward's copy (``device_step.py``). It takes host Adam work off the worker
+      where host memory bounds the step; for those units the link carries 16 bytes a param up
+      (instead of the 4 of the upload made ahead) and 12 more down. On a GPU their bits are the
+      device kernel's. An int >= 0, else an error.
     * ``overlap_step`` (False): overlap the optimizer step with the backward (``overlap.py``);
       needs the grads in host memory and Adam/AdamW. ``True``: as each unit's reduced grads land
       (the sync backward of an accumulation only), that unit steps in a worker thread
@@ -138,6 +146,7 @@ class OffloadPolicy:
     upload_ahead: bool = True
     compute_copy_on_host: HostCopyMode = False
     step_threads: int | None = None
+    device_step_units: int = 0
 
     def __post_init__(self) -> None:
         for name in ("optimizer_state", "main_params", "params", "pin_memory", "upload_ahead"):
@@ -193,6 +202,16 @@ class OffloadPolicy:
             raise ValueError("OffloadPolicy(compute_copy_on_host='device') downloads the device's cast of the copy "
                              "uploaded ahead, so it needs params=True and upload_ahead=True, got "
                              f"params={self.params}, upload_ahead={self.upload_ahead}")
+        units = self.device_step_units
+        if isinstance(units, bool) or not isinstance(units, int) or units < 0:
+            raise ValueError(f"OffloadPolicy.device_step_units must be an int >= 0, got {units!r}")
+        if units and not (self.step == "cpu" and self.overlap_step is True and self.params and self.upload_ahead
+                          and copy is False):
+            raise ValueError(f"OffloadPolicy(device_step_units={units}) steps units on the device inside the "
+                             "overlapped host step, so it needs step='cpu', overlap_step=True, params=True, "
+                             f"upload_ahead=True and compute_copy_on_host=False, got step={self.step!r}, "
+                             f"overlap_step={self.overlap_step!r}, params={self.params}, "
+                             f"upload_ahead={self.upload_ahead}, compute_copy_on_host={copy!r}")
         threads = self.step_threads
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"OffloadPolicy.step_threads must be None or an int >= 1, got {threads!r}")
@@ -340,6 +359,7 @@ class UnitOffload:
         self.host_copy: torch.Tensor | None = None
         self.host_copy_version = -1
         self.host_copy_ready: Any = None  # "device": the event of its download (an upload from it waits)
+        self.weight_ready: Any = None  # device_step_units: the event of the new shard's download
         if policy.compute_copy_on_host is not False:
             numel = weight.data.numel()
             self.host_copy = (pinned_zeros(numel, compute_dtype) if policy.pin_memory
@@ -431,11 +451,24 @@ class UnitOffload:
     def _upload_source(self) -> torch.Tensor:
         """What an upload of the current weights sends (call on the stream that uploads): the
         host compute-dtype copy when it was cast from them (``compute_copy_on_host``; a download
-        in flight is waited for), else the main shard (cast on the device)."""
+        in flight is waited for), else the main shard (cast on the device; after its download
+        when the unit stepped on the device)."""
         if self.host_copy is not None and self.host_copy_version == self.version():
             current_stream_wait(self.device, self.host_copy_ready)
             return self.host_copy
+        current_stream_wait(self.device, self.weight_ready)
         return self.weight.data
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``host`` (flat), on the current stream."""
+        return self._to_device(host)
+
+    def device_stepped(self, ahead: torch.Tensor, stream: CommStream, ready: Any, done: Any) -> None:
+        """``device_step_units`` (the worker, after this unit's device step on ``stream``):
+        ``ahead``, the new weights cast on the device, is the copy the next forward's gather takes
+        (``ready``: its event); an upload from the host shard waits for ``done``, the download."""
+        self.ahead = AheadCopy(ahead, self.version(), stream, ready)
+        self.weight_ready = done
 
     def _take_ahead(self) -> torch.Tensor | None:
         """``params=True``: the copy uploaded ahead, handed to this one gather (then the unit

@@ -112,6 +112,7 @@ class _Cycle:
     engines: list[FSDPEngine] = field(default_factory=list)  # the models whose sync backward it belongs to
     done: list[FSDPEngine] = field(default_factory=list)  # those whose end-of-backward ran
     times: OverlapTimes = field(default_factory=OverlapTimes)
+    downloads: list[Any] = field(default_factory=list)  # device_step_units: events step() waits for
 
     @property
     def finished(self) -> bool:
@@ -145,6 +146,7 @@ class OverlappedStep:
         self.device = device
         # off the compute stream: step="gpu": the overlapped step's math; "cpu": the uploads made ahead
         self.stream = CommStream(device)
+        self.device_stream = CommStream(device)  # device_step_units: not behind the uploads made ahead
         self.steps = policy.steps_in_backward  # True or "forward": units step as their grads land
         self.runs_on = policy.overlap_step == "forward"  # and the step runs on into the next forward
         self.cycle: _Cycle | None = None
@@ -236,8 +238,10 @@ class OverlappedStep:
     def _submit(self, cycle: _Cycle, engine: FSDPEngine, unit: FSDPUnit, event: Any) -> None:
         cycle.units.append(unit)
         decoupled = engine.config.use_decoupled_grad
+        order = _forward_order(cycle, engine, unit)
+        on_device = order % _MODEL_STRIDE < self.policy.device_step_units
         if self.steps:
-            work: Callable[[], None] = lambda: self._step_unit(cycle, unit, decoupled, event)  # noqa: E731
+            work: Callable[[], None] = lambda: self._step_unit(cycle, unit, decoupled, event, on_device)  # noqa: E731
         else:
             work = lambda: self._norms_of(cycle, unit, decoupled)  # noqa: E731
 
@@ -252,7 +256,7 @@ class OverlappedStep:
                     work()
             cycle.times.busy.append((start, time.perf_counter()))
 
-        done = cycle.worker.submit(task, _forward_order(cycle, engine, unit))
+        done = cycle.worker.submit(task, order)
         if self.runs_on:  # the next forward's gather of the unit waits for this task
             assert unit.offload is not None
             unit.offload.await_step = functools.partial(self._await_unit, cycle, done)
@@ -265,15 +269,23 @@ class OverlappedStep:
             self.join_stepping()
 
     # --------------------------------------------------------------- the worker
-    def _step_unit(self, cycle: _Cycle, unit: FSDPUnit, decoupled: bool, landed: Any) -> None:
+    def _step_unit(self, cycle: _Cycle, unit: FSDPUnit, decoupled: bool, landed: Any, on_device: bool) -> None:
         """``overlap_step=True``: the unit's update (worker thread); with ``step="cpu"`` also the
         upload of its new weights to the device, made now instead of in the next forward
-        (``UnitOffload.refresh_ahead``; ``landed``: the event of the unit's grad landing)."""
+        (``UnitOffload.refresh_ahead``; ``landed``: the event of the unit's grad landing), or, for
+        a unit of ``device_step_units`` (``on_device``), its step on the device."""
+        from .device_step import device_step_unit
         from .optim import host_step_units, runner_of
         optimizer = self.optimizer
         if optimizer is None:
             return
         grad_of = _grad_reader(decoupled)
+        if on_device:
+            since = time.perf_counter()
+            cycle.downloads.append(device_step_unit(optimizer, unit, grad_of, cycle.snapshot, self.device_stream,
+                                                    landed))
+            cycle.times.add("device_step", since)
+            return
         if self.policy.step == "cpu":  # with the hyper-parameters of the cycle's start (checked at step())
             times, since = cycle.times, time.perf_counter()
             host_step_units(optimizer, [unit], grad_of, cycle.snapshot)
@@ -324,6 +336,8 @@ class OverlappedStep:
         if not self.runs_on:
             try:
                 cycle.worker.join()
+                for event in cycle.downloads:  # device_step_units: host state is final after step()
+                    wait_on_host(event)
             finally:
                 self._ended(cycle)
         try:

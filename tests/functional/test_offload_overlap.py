@@ -198,6 +198,33 @@ def test_backward_gathers_send_the_device_cast_brought_down(overlap: Any, dist_e
     _no_worker_left()
 
 
+@pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.parametrize("count", [1, 3, 99], ids=["root", "three", "all"])
+@pytest.mark.matrix(zero="optim_grads_params", offload="cpu_overlap", dtype="bf16")
+def test_units_stepped_on_the_device_equal_the_host_step(count: int, dist_env) -> None:
+    """device_step_units=N, params=True, bf16 compute, ZeRO-3: the first N units in forward order
+    step on the device inside the overlapped step, the rest on the host; on CPU (the device is
+    the host, same kernel) losses, params and state equal overlap_step=False bit for bit. Each
+    device-stepped unit's copy for the next forward is its new weights' cast, and both paths ran."""
+    device = dist_env.device
+    runs = {}
+    for units in (0, count):
+        policy = dataclasses.replace(_overlap_policy("cpu", device, bool(units) or False), params=True,
+                                     device_step_units=units)
+        runs[units] = train("gpt", device, dict(zero_dp_strategy=3, offload_policy=policy), steps=4,
+                            dtype=torch.bfloat16)
+    _assert_identical(runs[count], runs[0], f"device_step_units={count}")
+    model, opt = runs[count][2], runs[count][3]
+    phases = opt.__dict__[OVERLAP_ATTR].last_times.phases
+    assert phases.get("device_step", 0.0) > 0.0, "no unit stepped on the device"
+    on_host = count < len(model._fsdp_engine.units)
+    assert (phases.get("step", 0.0) > 0.0) == on_host, f"host steps: {phases}"
+    for unit in model._fsdp_engine.units:
+        ahead = unit.offload.ahead
+        assert ahead is not None and torch.equal(ahead.tensor, unit.offload.weight.data.to(torch.bfloat16)), unit.name
+    _no_worker_left()
+
+
 def _gpt_inputs(device: torch.device) -> list[torch.Tensor]:
     inputs, _ = global_batch("gpt", 0, 2, torch.bfloat16)
     return [x.to(device) for x in inputs]

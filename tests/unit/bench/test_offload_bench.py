@@ -90,6 +90,9 @@ def test_overlap_cells_their_policy_bytes_and_hidden_share() -> None:
     assert [offload_bench.host_copy_mode(offload_bench.base_cell(c)) for c in (
         "ours-cpu-hostall-overlap", "ours-cpu-hostall-hostcopy-forward", "ours-cpu-hostall-devcopy-overlap")] == [
         False, True, "device"]
+    assert [offload_bench.device_step_units(offload_bench.base_cell(c)) for c in (
+        "ours-cpu-hostall-overlap", "ours-cpu-hostall-devcopy-overlap", "ours-cpu-hostall-dev12-overlap")] == [0, 0, 12]
+    assert "ours-cpu-hostall-dev8-overlap" in offload_bench.CELLS
     busy = [(0.0, 0.004), (0.004, 0.010), (0.012, 0.014)]  # seconds; the backward ended at 8 ms
     hidden, total = offload_bench.overlap_share(busy, 0.008)
     assert hidden == pytest.approx(8.0) and total == pytest.approx(12.0)

@@ -82,6 +82,26 @@ def test_step_threads_needs_the_overlapped_host_step(kwargs: dict) -> None:
         OffloadPolicy(pin_memory=False, step_threads=3, **kwargs)
 
 
+@pytest.mark.parametrize("value", [-1, 1.5, True, "4", None])
+def test_device_step_units_takes_a_non_negative_int(value: object) -> None:
+    with pytest.raises(ValueError, match=r"^OffloadPolicy\.device_step_units must be an int >= 0, got "):
+        OffloadPolicy(pin_memory=False, step="cpu", overlap_step=True, params=True,
+                      device_step_units=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kwargs", [dict(step="gpu", overlap_step=True, params=True),
+                                    dict(step="cpu", overlap_step="forward", params=True),
+                                    dict(step="cpu", overlap_step=True, params=False),
+                                    dict(step="cpu", overlap_step=True, params=True, upload_ahead=False),
+                                    dict(step="cpu", overlap_step=True, params=True, compute_copy_on_host=True)])
+def test_device_step_units_needs_the_overlapped_host_step_on_host_params(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match=r"device_step_units=2\) steps units on the device inside the overlapped "
+                                         r"host step, so it needs step='cpu', overlap_step=True, params=True"):
+        OffloadPolicy(pin_memory=False, device_step_units=2, **kwargs)
+    OffloadPolicy(pin_memory=False, step="cpu", overlap_step=True, params=True, device_step_units=2)
+    OffloadPolicy(pin_memory=False, device_step_units=0, **kwargs)  # 0: off, anywhere
+
+
 def test_overlapped_steps_need_adam_but_clip_mode_takes_any_optimizer() -> None:
     params = list(nn.Linear(2, 2).parameters())
     with pytest.raises(ValueError, match=r"OffloadPolicy\(overlap_step=True\) steps Adam/AdamW unit by unit.*SGD"):
