@@ -3,15 +3,14 @@
 With ``step="cpu"`` and ``overlap_step=True`` at large sizes the step is the worker's host Adam: it
 reads and writes 28 bytes a param of host memory beside the step's DMA. A unit stepped here
 instead costs the host no Adam pass: on a side stream (``OverlappedStep.device_stream``) its
-fp32 shard, grads and moments go up, the optimizer's own kernel (``optim.torch_kernel`` /
-``fsdp_kernel``, the group's flags, the cycle's hyper-parameters) runs on the device copies, and
-the new shard and moments come back down; the new shard, cast to the compute dtype on the
-device, is the copy the next forward's gather takes (``UnitOffload.device_stepped``), so nothing
-is uploaded for it. The worker does
-not wait for the link: it goes on with the host steps of other units, and ``optimizer.step()``
-waits for every download (``OverlappedStep`` keeps their events) before it returns, so host
-state read after ``step()`` is final. The next upload of the shard (the backward's gather) waits
-for its download on the device.
+fp32 shard, grads and moments go up, the optimizer's own kernel (``optim.user_kernel``: the
+group's flags, the cycle's hyper-parameters) runs on the device copies, and the new shard and
+moments come back down; the new shard, cast to the compute dtype on the device, is the copy the
+next forward's gather takes (``UnitOffload.device_stepped``), so nothing is uploaded for it. The
+worker does not wait for the link: it goes on with the host steps of other units, and
+``optimizer.step()`` waits for every download (``OverlappedStep`` keeps their events) before it
+returns, so host state read after ``step()`` is final. The next upload of the shard (the
+backward's gather) waits for its download on the device.
 
 Bits: the kernel is the same, but on another device: on CPU (tests) that is the host, so the
 numbers equal the host step's bit for bit; on a GPU they are the device kernel's, which may
@@ -27,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ..device import CommStream, host_device, pinned_zeros
 from ..placement import local_tensor
-from .optim import GradOf, _device_step, _init_host_state, _is_torch_adam, fsdp_kernel, torch_kernel, user_class
+from .optim import GradOf, _device_step, _init_host_state, user_class, user_kernel
 from .step import GRAD, PARAM, STATE_KINDS, ChunkKind, StreamEntry
 
 if TYPE_CHECKING:
@@ -71,8 +70,7 @@ def device_step_unit(optimizer: torch.optim.Optimizer, unit: FSDPUnit, grad_of: 
                 counters.append(step)
                 items.append((StreamEntry(gi, views, None, {"step": step, "staged": staged}), views))
             if items:
-                (torch_kernel(optimizer, cls, gi, items, hyper[gi]) if _is_torch_adam(cls)
-                 else fsdp_kernel(optimizer, gi, items, hyper[gi]))
+                user_kernel(optimizer, cls, gi, items, hyper[gi])
         ahead = weight.to(offload.compute_dtype)
         ready = stream.record()  # the next forward's gather waits for the cast, not the downloads
         for host, device_copy in downloads:

@@ -364,6 +364,16 @@ class OffloadedAdamStep:
         fsdp_kernel(self.optimizer, gi, items)
 
 
+def user_kernel(optimizer: torch.optim.Optimizer, cls: type, gi: int,
+                items: list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]], values: dict[str, Any]) -> None:
+    """The update of the optimizer's class (``cls``: torch's Adam/AdamW or ``fsdp_impl.optim``'s)
+    on ``items``' views, wherever they lie (host step, device step), with ``values``."""
+    if _is_torch_adam(cls):
+        torch_kernel(optimizer, cls, gi, items, values)
+    else:
+        fsdp_kernel(optimizer, gi, items, values)
+
+
 def torch_kernel(optimizer: torch.optim.Optimizer, cls: type, gi: int,
                  items: list[tuple[StreamEntry, dict[ChunkKind, torch.Tensor]]],
                  values: dict[str, Any] | None = None) -> None:
@@ -420,8 +430,7 @@ def host_step_units(optimizer: torch.optim.Optimizer, units: list[FSDPUnit], gra
             items.append((StreamEntry(gi, views, None, {"step": state["step"], "staged": state["step"]}), views))
         if items:
             values = hyper[gi] if hyper is not None else group
-            (torch_kernel(optimizer, cls, gi, items, values) if _is_torch_adam(cls)
-             else fsdp_kernel(optimizer, gi, items, values))
+            user_kernel(optimizer, cls, gi, items, values)
             for entry, _ in items:
                 entry.extra["step"].add_(1)
     for unit in units:
