@@ -109,6 +109,8 @@ def train(model_name: str, device: torch.device, fsdp_kwargs: dict[str, Any], st
     loss = loss_fn(model_name) if model_name != "tiny" else nn.functional.mse_loss
     hook = (lambda step: before_step(model, opt, step)) if before_step is not None else None
     losses = train_accumulating(model, opt, steps, batches, loss, device, before_step=hook)
+    # overlap_step="forward": the last step's units may still be stepping; params are final only after this
+    fsdp_impl.wait_for_step(opt)
     final = {n: full_tensor(p) for n, p in model.module.named_parameters()}
     return losses, final, model, opt
 
