@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import fsdp_impl
-from harness import matrix
 from tests.functional import matrix_axes as axes
 from tests.functional.common.offload import full_tensor, train
 from tests.functional.common.reference import make_optimizer
