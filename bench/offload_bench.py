@@ -81,6 +81,9 @@ CELLS = {
                                          "gathers send it: 2 bytes a param up, not 4, 2 more down, no host cast)"),
     "ours-cpu-hostall-devcopy-forward": "as ours-cpu-hostall-devcopy-overlap with overlap_step='forward'",
     "ours-cpu-hostall-devcopy-wide-overlap": "as ours-cpu-hostall-devcopy-overlap with step_threads as -wide",
+    "ours-cpu-hostall-narrow-overlap": ("as ours-cpu-hostall-overlap with step_threads = one fewer than the caller's "
+                                        "throughout (before 2026-12-06's widening: the worker kept one core fewer "
+                                        "while step() waited for it)"),
     "ours-cpu-hostall-wide-overlap": ("as ours-cpu-hostall-overlap with step_threads = the caller's width (the "
                                       "default leaves one core to the thread driving the device)"),
     **{f"ours-cpu-hostall-dev{k}-overlap": (f"as ours-cpu-hostall-overlap + device_step_units={k} (the first {k} "
@@ -155,10 +158,18 @@ def device_step_units(base: str) -> int:
     return int(found.group(1)) if found else 0
 
 
+def step_threads(base: str) -> int | None:
+    """``OffloadPolicy.step_threads`` of a cell: the caller's width (``-wide``), one fewer
+    throughout (``-narrow``), else None (one fewer during the backward, the caller's once
+    ``step()`` waits)."""
+    width = torch.get_num_threads()
+    return width if "-wide" in base else max(1, width - 1) if "-narrow" in base else None
+
+
 def offload_bytes(cell: str, n: int) -> tuple[int, int]:
     """(H2D, D2H) bytes one training step of ``cell`` moves between host and device, per rank of
     1, fp32 main params/grads/moments, bf16 compute, ZeRO-3 (two gathers per step)."""
-    cell = base_cell(cell).replace("-wide", "")  # the host step's width moves no byte
+    cell = base_cell(cell).replace("-wide", "").replace("-narrow", "")  # the host step's width moves no byte
     if cell == "ours-gpu":  # window: main + 2 moments + grads in, main + 2 moments out; grads down after the
         return 16 * n, 12 * n + 4 * n  # backward; gathers from the device compute shard (refreshed from the window)
     if cell == "ours-gpu-hostall":  # window also streams the grads in; grads down after backward; 2 gathers from host
@@ -213,13 +224,13 @@ def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Mo
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(params=True, grads=True, pin_memory=pin,
                                                                overlap_step=overlap)
         elif base.startswith("ours-cpu"):  # -hostall: params=True, -lateup: no upload ahead, -hostcopy/-devcopy:
-            # a host bf16 copy cast on the host / on the device, -wide: the worker as wide as the caller
+            # a host bf16 copy cast on the host / on the device, -wide / -narrow: the worker as wide as the caller /
+            # one fewer throughout
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu", params="hostall" in base,
                                                                pin_memory=pin, overlap_step=overlap,
                                                                upload_ahead="lateup" not in base,
                                                                compute_copy_on_host=host_copy_mode(base),
-                                                               step_threads=torch.get_num_threads() if "wide" in base
-                                                               else None,
+                                                               step_threads=step_threads(base),
                                                                device_step_units=device_step_units(base))
         lean = base == "ours-gpu-lean"
         policy = fsdp_impl.MixedPrecisionPolicy(main_params_dtype=torch.float32,

@@ -23,13 +23,15 @@ class _Tasks:
     """The worker's queue: submission order, or (``by_unit_order``, from the end of a backward
     whose step runs on into the next forward) lowest unit order first, so the next forward's
     first units are the first done. Order does not change the numbers: the units' steps are
-    independent. Each task comes with the event set once it ran or was skipped."""
+    independent. Each task comes with the event set once it ran or was skipped, and the
+    intra-op width asked for from then on (``widen``; None: unchanged)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._items: list[tuple[int, Callable[[], None], threading.Event]] = []
         self._closed = False
         self._by_order = False
+        self._width: int | None = None
 
     def put(self, task: Callable[[], None], order: int, done: threading.Event) -> None:
         with self._cond:
@@ -40,13 +42,17 @@ class _Tasks:
         with self._cond:
             self._by_order = True
 
+    def widen(self, width: int) -> None:
+        with self._cond:
+            self._width = width
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify()
 
-    def get(self) -> tuple[Callable[[], None], threading.Event] | None:
-        """The next task (blocking), or None once closed and empty."""
+    def get(self) -> tuple[Callable[[], None], threading.Event, int | None] | None:
+        """The next task (blocking) and the width asked for, or None once closed and empty."""
         with self._cond:
             while not self._items and not self._closed:
                 self._cond.wait()
@@ -54,7 +60,7 @@ class _Tasks:
                 return None
             pick = min(range(len(self._items)), key=lambda i: self._items[i][0]) if self._by_order else 0
             _, task, done = self._items.pop(pick)
-            return task, done
+            return task, done, self._width
 
 
 def spare_threads(width: int) -> int:
@@ -83,11 +89,15 @@ def _work(tasks: _Tasks, errors: list[BaseException], threads: int) -> None:
 
 
 def _run(tasks: _Tasks, errors: list[BaseException]) -> None:
+    width = torch.get_num_threads()
     while True:
         item = tasks.get()
         if item is None:
             return
-        task, done = item
+        task, done, wanted = item
+        if wanted is not None and wanted != width:  # between tasks: a unit's step runs at one width
+            torch.set_num_threads(wanted)
+            width = wanted
         try:
             if not errors:
                 task()
@@ -139,6 +149,11 @@ class StepWorker:
     def by_unit_order(self) -> None:
         """From now on run the queued tasks lowest ``order`` first."""
         self._tasks.by_unit_order()
+
+    def widen(self, width: int) -> None:
+        """Run the tasks not yet started at intra-op width ``width`` (the caller is about to wait
+        for them and leaves its core free; elementwise steps only: the bits do not change)."""
+        self._tasks.widen(width)
 
     def raise_failure(self) -> None:
         """Re-raise the first task error, if any, without ending the thread."""

@@ -276,6 +276,34 @@ def _backward(model: torch.nn.Module, device: torch.device) -> None:
 
 
 @pytest.mark.distributed(world_size=2, timeout=300)
+@pytest.mark.matrix(zero="optim_grads_params", offload="cpu_overlap")
+def test_the_worker_widens_only_where_the_caller_waits(dist_env) -> None:
+    """step="cpu", overlap_step=True, step_threads=None: each optimizer.step() widens the worker to
+    the caller's width before waiting for it; an explicit step_threads and "forward" (the caller
+    runs on) never widen. The numbers of the widened run equal the non-overlapped run's."""
+    from fsdp_impl.offload.worker import StepWorker
+    device, calls = dist_env.device, []
+    original = StepWorker.widen
+
+    def spy(self: StepWorker, width: int) -> None:
+        calls.append(width)
+        original(self, width)
+    runs = {}
+    StepWorker.widen = spy  # type: ignore[method-assign]
+    try:
+        for name, extra in (("widened", {}), ("explicit", dict(step_threads=1)), ("forward", None), ("off", None)):
+            overlap = {"forward": "forward", "off": False}.get(name, True)
+            policy = dataclasses.replace(_overlap_policy("cpu", device, overlap), **(extra or {}))
+            before = len(calls)
+            runs[name] = train("gpt", device, dict(zero_dp_strategy=3, offload_policy=policy), steps=3)
+            assert calls[before:] == ([torch.get_num_threads()] * 3 if name == "widened" else []), (name, calls)
+    finally:
+        StepWorker.widen = original  # type: ignore[method-assign]
+    _assert_identical(runs["widened"], runs["off"], "widened worker")
+    _no_worker_left()
+
+
+@pytest.mark.distributed(world_size=2, timeout=300)
 @pytest.mark.matrix(zero="optim_grads_params", model="cnn", offload="cpu_overlap")
 def test_overlap_refuses_what_it_cannot_keep_exact(dist_env) -> None:
     """Each misuse raises naming overlap_step, before silently wrong numbers: bad values, an

@@ -181,6 +181,29 @@ def test_worker_tasks_run_at_the_width_asked_and_the_callers_stays() -> None:
     assert [spare_threads(w) for w in (1, 2, 16)] == [1, 1, 15]
 
 
+def test_widen_applies_to_the_tasks_not_yet_started() -> None:
+    """``StepWorker.widen``: tasks taken after it run at the new width (set between tasks), the
+    task already running keeps its own; the caller's width is untouched."""
+    caller = torch.get_num_threads()
+    seen: list[int] = []
+    started, release = threading.Event(), threading.Event()
+
+    def first() -> None:
+        seen.append(torch.get_num_threads())
+        started.set()
+        assert release.wait(10)
+        seen.append(torch.get_num_threads())
+    worker = StepWorker(threads=1)
+    running = worker.submit(first)
+    assert started.wait(10)
+    worker.widen(3)
+    release.set()
+    assert running.wait(10)
+    worker.submit(lambda: seen.append(torch.get_num_threads()))
+    worker.join()
+    assert seen == [1, 1, 3] and torch.get_num_threads() == caller
+
+
 def test_the_host_step_runs_at_step_threads_else_one_core_fewer() -> None:
     """``OffloadPolicy.step_threads`` sets the overlapped host step's width; None spares a core;
     the norms of ``"clip"`` (a reduction) keep the caller's width."""
