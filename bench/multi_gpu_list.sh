@@ -58,8 +58,10 @@ say "$ngpu GPU(s): $(nvidia-smi -L 2>/dev/null | head -1)"
 suite() {  # suite NAME SIZES IMPLS [more bench.suite flags]
     local name=$1 sizes=$2 names=$3
     shift 3
+    local cells=$(($(left) - 90))  # no cell starts in the last 90 s, which the running one may need
+    [ "$cells" -ge 30 ] || cells=30
     bounded "$py" -m bench.suite --nproc-per-node 2 --sizes "$sizes" --impls "$names" --reps 2 \
-        --time-budget-s $(($(left) - 90)) --out "$out/$name.jsonl" --md "$out/$name.md" "$@"
+        --time-budget-s "$cells" --out "$out/$name.jsonl" --md "$out/$name.md" "$@"
 }
 pairs=ours-z3,fsdp2,ours-z2,fsdp2-noreshard,ours-z3+ac,fsdp2+ac,ours-z3+sac,fsdp2+sac
 

@@ -115,10 +115,10 @@ class OffloadPolicy:
       (``upload_ahead``), the first N units of each model in forward order (the root first) step on
       the device instead: their shard, grads and moments go up on a side stream, the
       optimizer's kernel runs there, shard and moments come back down, and the cast new weights
-      are the next forward's copy (``device_step.py``). It takes host Adam work off the worker
-      where host memory bounds the step; for those units the link carries 16 bytes a param up
-      (instead of the 4 of the upload made ahead) and 12 more down. On a GPU their bits are the
-      device kernel's. An int >= 0, else an error.
+      are the next forward's copy (``device_step.py``). For those units the link carries 16
+      bytes a param up (instead of the 4 of the upload made ahead) and 12 more down: measured
+      slower than the host step on PCIe H100 hosts (README), so off unless the link outruns the
+      host Adam. On a GPU their bits are the device kernel's. An int >= 0, else an error.
     * ``overlap_step`` (False): overlap the optimizer step with the backward (``overlap.py``);
       needs the grads in host memory and Adam/AdamW. ``True``: as each unit's reduced grads land
       (the sync backward of an accumulation only), that unit steps in a worker thread
@@ -393,10 +393,10 @@ class UnitOffload:
             return self.weight.data
         if self.compute_shard is None:
             ahead = self._take_ahead()
-            return ahead if ahead is not None else self._to_device(self._upload_source())
+            return ahead if ahead is not None else self.upload(self._upload_source())
         version = self.version()
         if version != self.shard_version:
-            self.compute_shard.copy_(self._to_device(self._upload_source()))
+            self.compute_shard.copy_(self.upload(self._upload_source()))
             self.shard_version = version
         if self.shard_ready is not None:  # uploaded ahead on another stream: the gather waits for it
             current_stream_wait(self.device, self.shard_ready)
@@ -418,7 +418,7 @@ class UnitOffload:
         self.ahead = None  # params=True: one not consumed since the last step is stale now
         with stream.enter():
             stream.wait(after)
-            upload = self._to_device(self._upload_source())
+            upload = self.upload(self._upload_source())
             if self.compute_shard is not None:
                 self.compute_shard.copy_(upload)
             else:  # params=True: a copy for the next gather only
@@ -461,10 +461,6 @@ class UnitOffload:
         current_stream_wait(self.device, self.weight_ready)
         return self.weight.data
 
-    def upload(self, host: torch.Tensor) -> torch.Tensor:
-        """A device copy of ``host`` (flat), on the current stream."""
-        return self._to_device(host)
-
     def device_stepped(self, ahead: torch.Tensor, stream: CommStream, ready: Any, done: Any) -> None:
         """``device_step_units`` (the worker, after this unit's device step on ``stream``):
         ``ahead``, the new weights cast on the device, is the copy the next forward's gather takes
@@ -487,8 +483,9 @@ class UnitOffload:
         """``params=True``: whether a copy uploaded ahead waits for the next gather."""
         return self.ahead is not None
 
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A device copy of ``host`` (an explicit copy, so the CPU test window copies too)."""
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``host`` (flat), on the current stream (an explicit copy, so the CPU
+        test window copies too)."""
         out = torch.empty(host.numel(), dtype=host.dtype, device=self.device)
         out.copy_(host, non_blocking=self.non_blocking)
         return out

@@ -291,9 +291,9 @@ def test_the_worker_widens_only_where_the_caller_waits(dist_env) -> None:
     runs = {}
     StepWorker.widen = spy  # type: ignore[method-assign]
     try:
-        for name, extra in (("widened", {}), ("explicit", dict(step_threads=1)), ("forward", None), ("off", None)):
-            overlap = {"forward": "forward", "off": False}.get(name, True)
-            policy = dataclasses.replace(_overlap_policy("cpu", device, overlap), **(extra or {}))
+        for name, overlap, extra in (("widened", True, {}), ("explicit", True, dict(step_threads=1)),
+                                     ("forward", "forward", {}), ("off", False, {})):
+            policy = dataclasses.replace(_overlap_policy("cpu", device, overlap), **extra)
             before = len(calls)
             runs[name] = train("gpt", device, dict(zero_dp_strategy=3, offload_policy=policy), steps=3)
             assert calls[before:] == ([torch.get_num_threads()] * 3 if name == "widened" else []), (name, calls)
