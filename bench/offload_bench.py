@@ -10,7 +10,10 @@ cells clip the grad norm before every step and are put against the anchor clippi
 ``OffloadPolicy(overlap_step=...)``; their column "overlapped ms (hidden)" is the host time of the
 units' overlapped steps (or norms, ``-overlap-clip``) and the share of it that ran before the
 backward ended (host timestamps of the worker, ``OverlapTimes.busy``, against the time the
-backward was done on the device). ``--trace DIR`` writes a torch.profiler Chrome trace per cell.
+backward was done on the device); their JSON rows also give the worker's time per phase
+(``worker_<phase>_ms``) and its host Adam's rate while the backward ran and after it ended
+(``adam_gbs_during_bwd`` / ``adam_gbs_after_bwd``, 28 bytes a param; put them against
+``--bandwidth``'s uncontended ``host_adam``). ``--trace DIR`` writes a torch.profiler Chrome trace per cell.
 
 Usage, from the repository root on a machine with one GPU::
 
@@ -121,6 +124,7 @@ CLIP_NORM = 1.0
 ANCHOR = "fsdp2-offload-fused"
 LR = 1e-4
 GIB = 2**30
+ADAM_BYTES = 28  # fused AdamW with fp32 params, grads and moments: p, g, m, v read; p, m, v written
 
 
 def base_cell(cell: str) -> str:
@@ -145,6 +149,23 @@ def overlap_share(busy: list[tuple[float, float]], backward_end: float) -> tuple
     total = sum(b - a for a, b in busy)
     hidden = sum(max(0.0, min(b, backward_end) - a) for a, b in busy)
     return 1e3 * hidden, 1e3 * total
+
+
+def adam_rates(stepped: list[tuple[float, float, int]], backward_end: float,
+               bytes_per_elem: int = ADAM_BYTES) -> tuple[float | None, float | None]:
+    """(GB/s of the worker's host Adam while the backward ran, GB/s after it ended), from each
+    unit's (start, end, elements) (``OverlapTimes.stepped``); an interval across the end counts
+    its elements in proportion to its time on each side; None where no Adam ran on that side.
+    Against ``--bandwidth``'s uncontended ``host_adam`` rates: what the overlap costs the kernel."""
+    spans = {True: [0.0, 0.0], False: [0.0, 0.0]}  # during the backward?: [seconds, elements]
+    for a, b, n in stepped:
+        length = b - a
+        for in_bwd, part in ((True, max(0.0, min(b, backward_end) - a)), (False, max(0.0, b - max(a, backward_end)))):
+            spans[in_bwd][0] += part
+            spans[in_bwd][1] += n * part / length if length > 0 else 0.0
+    during, after = (elems * bytes_per_elem / secs / 1e9 if secs > 0 else None
+                     for secs, elems in (spans[True], spans[False]))
+    return during, after
 
 
 def host_copy_mode(base: str) -> bool | str:
@@ -285,6 +306,7 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int,
     totals: list[float] = []
     hidden: list[tuple[float, float]] = []  # per measured step: (ms hidden under the backward, ms in all)
     phases: list[dict[str, float]] = []  # per measured step: the worker's seconds per phase (OverlapTimes.phases)
+    rates: list[tuple[float | None, float | None]] = []  # per measured step: adam_rates
     last_t1 = 0.0
     profiler = None
     for i in range(warmup + steps):
@@ -313,6 +335,7 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int,
                 # "forward": the cycle joined now is the last step's (its worker ran on into this forward)
                 hidden.append(overlap_share(overlap.last_times.busy, last_t1 if overlap.runs_on else t1))
                 phases.append(dict(overlap.last_times.phases))
+                rates.append(adam_rates(overlap.last_times.stepped, last_t1 if overlap.runs_on else t1))
         last_t1 = t1
     if profiler is not None and trace is not None:
         profiler.stop()
@@ -339,6 +362,10 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int,
         row["overlap_share"] = median([h / t if t > 0 else 0.0 for h, t in hidden])
         for phase in sorted({k for p in phases for k in p}):  # where the worker's time went
             row[f"worker_{phase}_ms"] = 1e3 * median([p.get(phase, 0.0) for p in phases])
+        for key, side in (("adam_gbs_during_bwd", 0), ("adam_gbs_after_bwd", 1)):  # the host Adam's rate
+            values = [v for v in (r[side] for r in rates) if v is not None]
+            if values:
+                row[key] = median(values)
     return row
 
 
@@ -410,7 +437,7 @@ def host_bandwidth(a: torch.Tensor, b: torch.Tensor, repeat: int = 5) -> dict[st
     for threads, tag in ((width, ""), (max(1, width - 1), "_spare")):
         torch.set_num_threads(threads)
         out[f"host_copy{tag}_gbps"] = 2 * a.numel() * 4 / timed(lambda: b.copy_(a)) / 1e9
-        out[f"host_adam{tag}_gbps"] = 28 * n / timed(adam) / 1e9
+        out[f"host_adam{tag}_gbps"] = ADAM_BYTES * n / timed(adam) / 1e9
     torch.set_num_threads(width)
     return out
 

@@ -82,6 +82,9 @@ class OverlapTimes:
     # seconds the worker spent per phase ("grads": waiting for a unit's grads to land on the host;
     # "step", "host_copy", "upload": ``_step_unit``'s parts): tells a link-bound cycle from a host-bound one
     phases: dict[str, float] = field(default_factory=dict)
+    # each unit's host Adam: (start, end, elements stepped); the bench's rate during the backward
+    # and after it tells contention with the backward (DMA, the driving thread) from the kernel's own rate
+    stepped: list[tuple[float, float, int]] = field(default_factory=list)
 
     def add(self, phase: str, since: float) -> float:
         """Count the time from ``since`` to now against ``phase``; return now."""
@@ -288,9 +291,10 @@ class OverlappedStep:
             cycle.times.add("device_step", since)
             return
         if self.policy.step == "cpu":  # with the hyper-parameters of the cycle's start (checked at step())
-            times, since = cycle.times, time.perf_counter()
+            times, start = cycle.times, time.perf_counter()
             host_step_units(optimizer, [unit], grad_of, cycle.snapshot)
-            since = times.add("step", since)
+            since = times.add("step", start)
+            times.stepped.append((start, since, sum(local_tensor(mp.sharded).numel() for mp in unit.trainable)))
             assert unit.offload is not None
             unit.offload.refresh_host_copy()
             since = times.add("host_copy", since)

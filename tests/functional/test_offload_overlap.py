@@ -84,6 +84,10 @@ def test_overlapped_step_equals_the_step_after_the_backward(step: str, strategy:
     units = len(model._fsdp_engine.units)
     assert times.landed + times.at_end == units and times.landed >= units - 1, (times.landed, times.at_end)
     if step == "cpu":  # each unit's new weights were uploaded after its host step, not left to the next forward
+        # each unit's host Adam timed once with its elements (the bench's rates): this rank's local shards
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+        assert len(times.stepped) == units and sum(n for _, _, n in times.stepped) == local, (times.stepped, local)
+        assert all(b >= a for a, b, _ in times.stepped)
         for unit in model._fsdp_engine.units:
             shard = unit.offload.compute_shard
             assert unit.offload.shard_is_fresh(), f"{unit.name}: compute shard not refreshed after its step"

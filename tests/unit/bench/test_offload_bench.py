@@ -58,6 +58,8 @@ def test_a_cell_runs_in_its_own_process_and_a_failure_is_a_row() -> None:
     assert down["status"] == "ok" and down["losses"] == row["losses"], (down, row)
     # where the worker's time went: each phase of its unit tasks, their sum within its busy time
     phases = {k: v for k, v in half.items() if k.startswith("worker_")}
+    rates = [half.get(k) for k in ("adam_gbs_during_bwd", "adam_gbs_after_bwd")]  # its host Adam's rate
+    assert any(r is not None for r in rates) and all(r is None or r > 0 for r in rates), half
     assert set(phases) == {f"worker_{p}_ms" for p in ("grads", "step", "host_copy", "upload")}, half
     assert phases["worker_step_ms"] > 0 and sum(phases.values()) <= half["overlap_total_ms"] * 1.001, half
     args.steps = 2  # the step running on into the forward: the same losses, its share measured
@@ -200,3 +202,15 @@ def test_a_failed_run_stands_for_its_cell_and_the_cell_leaves_the_race() -> None
     rows = offload_bench.medians(runs)
     assert [(r["cell"], r["size"], r["status"]) for r in rows if r["cell"] == "ours-gpu"] == [
         ("ours-gpu", "1.3b", "ok"), ("ours-gpu", "7b", "OOM")]
+
+
+def test_adam_rates_split_each_units_elements_at_the_end_of_the_backward() -> None:
+    """The worker's host Adam rate during the backward and after it: a unit stepped across the
+    end counts its elements in proportion to its time on each side; no Adam on a side: None."""
+    stepped = [(0.0, 1.0, 100), (1.0, 3.0, 400), (3.0, 4.0, 100)]  # seconds, elements; bwd ended at 2 s
+    during, after = offload_bench.adam_rates(stepped, 2.0, bytes_per_elem=1)
+    assert during == pytest.approx((100 + 200) / 2.0 / 1e9) and after == pytest.approx((200 + 100) / 2.0 / 1e9)
+    assert offload_bench.adam_rates(stepped, 10.0, bytes_per_elem=1)[1] is None
+    assert offload_bench.adam_rates(stepped, -1.0)[0] is None
+    assert offload_bench.adam_rates(stepped, 4.0)[0] == pytest.approx(600 * offload_bench.ADAM_BYTES / 4.0 / 1e9)
+    assert offload_bench.adam_rates([], 1.0) == (None, None)
