@@ -58,6 +58,20 @@ def _pieces(n: int, split: str, hidden: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
 
 
+def check_modes(text: str) -> list[str]:
+    """``--modes``: comma-separated ``KIND:SPLIT``, KIND ``adam`` or ``up``, SPLIT ``unit``,
+    ``block`` or a positive number of MiB; anything else raises naming what is allowed."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    for mode in modes:
+        kind, _, split = mode.partition(":")
+        if kind not in ("adam", "up") or not (split in ("unit", "block") or (split.isdigit() and int(split) > 0)):
+            raise ValueError(f"--modes: {mode!r} is not KIND:SPLIT with KIND 'adam' or 'up' and SPLIT 'unit', "
+                             "'block' or a positive number of MiB (e.g. 'up:64')")
+    if not modes:
+        raise ValueError("--modes: give at least one KIND:SPLIT (e.g. 'adam:block,up:block')")
+    return modes
+
+
 def _pass(units: list[list[torch.Tensor]], dev: list[torch.Tensor], mode: str, stream: torch.cuda.Stream,
           hidden: int) -> float:
     """One pass over the units. ``mode`` is ``KIND:SPLIT``: KIND ``adam`` (no upload) or ``up``
@@ -91,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=4096, help="the block's width (block split)")
     parser.add_argument("--busy", action="store_true", help="also run each mode beside device-to-host copies")
     args = parser.parse_args(argv)
+    try:
+        modes = check_modes(args.modes)
+    except ValueError as error:
+        parser.error(str(error))
     if not torch.cuda.is_available():
         print("upload_probe needs a CUDA device", file=sys.stderr)
         return 2
@@ -104,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     src = torch.empty(2**28, device="cuda")
     rows = []
     for busy in ([False, True] if args.busy else [False]):
-        for mode in args.modes.split(","):
+        for mode in modes:
             _pass(units, dev, mode, stream, args.hidden)  # warm-up
             times = []
             for _ in range(args.reps):

@@ -45,3 +45,16 @@ def test_every_split_steps_the_same_bits() -> None:
 def test_without_cuda_it_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert upload_probe.main(["--units", "1"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", ["adam", "copy:unit", "up:0", "up:-4", "up:half", ","])
+def test_a_bad_mode_is_refused_naming_what_is_allowed(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        upload_probe.main(["--modes", bad])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "--modes" in err and ("KIND:SPLIT" in err or "at least one" in err), err
+
+
+def test_good_modes_are_kept_in_order() -> None:
+    assert upload_probe.check_modes("up:block, adam:64,adam:unit") == ["up:block", "adam:64", "adam:unit"]
