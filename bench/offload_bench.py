@@ -143,11 +143,16 @@ def overlap_mode(cell: str) -> bool | str:
     return "clip" if cell.endswith("-clip") else True
 
 
+def _split(a: float, b: float, end: float) -> tuple[float, float]:
+    """The seconds of the interval ``[a, b]`` before ``end`` and after it."""
+    return max(0.0, min(b, end) - a), max(0.0, b - max(a, end))
+
+
 def overlap_share(busy: list[tuple[float, float]], backward_end: float) -> tuple[float, float]:
     """(ms of the overlapped host work that lay before ``backward_end``, ms of all of it): the
     worker's busy intervals (``OverlapTimes.busy``) against the host time the backward ended."""
     total = sum(b - a for a, b in busy)
-    hidden = sum(max(0.0, min(b, backward_end) - a) for a, b in busy)
+    hidden = sum(_split(a, b, backward_end)[0] for a, b in busy)
     return 1e3 * hidden, 1e3 * total
 
 
@@ -157,14 +162,12 @@ def adam_rates(stepped: list[tuple[float, float, int]], backward_end: float,
     unit's (start, end, elements) (``OverlapTimes.stepped``); an interval across the end counts
     its elements in proportion to its time on each side; None where no Adam ran on that side.
     Against ``--bandwidth``'s uncontended ``host_adam`` rates: what the overlap costs the kernel."""
-    spans = {True: [0.0, 0.0], False: [0.0, 0.0]}  # during the backward?: [seconds, elements]
+    secs, elems = [0.0, 0.0], [0.0, 0.0]  # [during the backward, after it]
     for a, b, n in stepped:
-        length = b - a
-        for in_bwd, part in ((True, max(0.0, min(b, backward_end) - a)), (False, max(0.0, b - max(a, backward_end)))):
-            spans[in_bwd][0] += part
-            spans[in_bwd][1] += n * part / length if length > 0 else 0.0
-    during, after = (elems * bytes_per_elem / secs / 1e9 if secs > 0 else None
-                     for secs, elems in (spans[True], spans[False]))
+        for side, part in enumerate(_split(a, b, backward_end)):
+            secs[side] += part
+            elems[side] += n * part / (b - a) if b > a else 0.0
+    during, after = (e * bytes_per_elem / t / 1e9 if t > 0 else None for t, e in zip(secs, elems, strict=True))
     return during, after
 
 
@@ -333,9 +336,10 @@ def run_cell(cell: str, size: str, micro_batch: int, warmup: int, steps: int,
             totals.append(t2 - t0)
             if overlap is not None and overlap.last_times is not None:
                 # "forward": the cycle joined now is the last step's (its worker ran on into this forward)
-                hidden.append(overlap_share(overlap.last_times.busy, last_t1 if overlap.runs_on else t1))
+                backward_end = last_t1 if overlap.runs_on else t1
+                hidden.append(overlap_share(overlap.last_times.busy, backward_end))
                 phases.append(dict(overlap.last_times.phases))
-                rates.append(adam_rates(overlap.last_times.stepped, last_t1 if overlap.runs_on else t1))
+                rates.append(adam_rates(overlap.last_times.stepped, backward_end))
         last_t1 = t1
     if profiler is not None and trace is not None:
         profiler.stop()

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-BYTES_PER_PARAM = 28  # fused AdamW's host traffic a param: 4 reads, 3 writes of fp32
+from bench.offload_bench import ADAM_BYTES
 
 
 def _adam(p: list[torch.Tensor], g: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor]) -> None:
@@ -82,14 +82,11 @@ def _pass(units: list[list[torch.Tensor]], dev: list[torch.Tensor], mode: str, s
     start = time.perf_counter()
     for (p, g, m, v), d in zip(units, dev, strict=True):
         pieces = _pieces(p.numel(), split, hidden)
-        if split == "block":
-            _adam([p[a:b] for a, b in pieces], [g[a:b] for a, b in pieces], [m[a:b] for a, b in pieces],
-                  [v[a:b] for a, b in pieces])
-            pieces = [(0, p.numel())]  # the upload: the unit's, after its Adam
-        for a, b in pieces:
-            if split != "block":
-                _adam([p[a:b]], [g[a:b]], [m[a:b]], [v[a:b]])
-            if kind == "up":
+        calls = [pieces] if split == "block" else [[piece] for piece in pieces]  # each kernel call's pieces
+        for call in calls:
+            _adam(*([t[a:b] for a, b in call] for t in (p, g, m, v)))
+            if kind == "up":  # what that call stepped, uploaded after it
+                a, b = call[0][0], call[-1][1]
                 with torch.cuda.stream(stream):
                     d[a:b].copy_(p[a:b], non_blocking=True)
     stream.synchronize()
@@ -135,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             t = statistics.median(times)
             params = n * args.units
             rows.append({"mode": mode, "busy": busy, "threads": torch.get_num_threads(), "s": round(t, 4),
-                         "adam_gb_s": round(params * BYTES_PER_PARAM / t / 1e9, 1),
+                         "adam_gb_s": round(params * ADAM_BYTES / t / 1e9, 1),
                          "runs": [round(x, 4) for x in times]})
             print(json.dumps(rows[-1]), flush=True)
     base = {r["busy"]: r["s"] for r in rows if r["mode"] == "up:block"}
