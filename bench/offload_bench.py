@@ -97,6 +97,8 @@ CELLS = {
     "ours-cpu-forward": ("as ours-cpu + overlap_step='forward' (the host step overlaps the backward and runs on "
                          "into the next forward: step() returns at once, each unit's gather waits for its step)"),
     "ours-cpu-hostall-forward": "as ours-cpu-hostall + overlap_step='forward'",
+    "ours-cpu-hostall-narrow-forward": ("as ours-cpu-hostall-forward with step_threads = one fewer than the caller's "
+                                        "throughout (before 2026-12-06's fifth session \"forward\" did not widen)"),
     "ours-cpu-hostall-overlap-clip": "as ours-cpu-hostall + clip_grad_norm(model, 1.0) + overlap_step='clip'",
     "ours-gpu-lean": ("as ours-gpu with bf16 main grads read as decoupled grads by fsdp_impl.optim.AdamW with bf16 "
                       "moments (10 host bytes a param instead of 16: the largest models)"),

@@ -232,8 +232,9 @@ class OverlappedStep:
     def _worker_threads(self) -> int:
         """The worker's intra-op width: with ``step="cpu"`` steps ``OffloadPolicy.step_threads``,
         by default one core fewer than the caller's (``spare_threads``: Adam is elementwise, so the
-        same bits) while the backward runs, the caller's once ``optimizer.step()`` waits
-        (``finish``); norms (``"clip"``, a reduction) and the streamed step keep the caller's."""
+        same bits) while the backward runs, the caller's from ``optimizer.step()`` on (``finish``:
+        the caller waits there, or with ``"forward"`` in the next forward's gathers); norms
+        (``"clip"``, a reduction) and the streamed step keep the caller's."""
         width = torch.get_num_threads()
         if not (self.steps and self.policy.step == "cpu"):
             return width
@@ -338,11 +339,12 @@ class OverlappedStep:
         cycle = self.cycle
         assert cycle is not None
         self.cycle = None
+        if self.steps and self.policy.step == "cpu" and self.policy.step_threads is None:
+            # the caller only waits from here (True: in step(); "forward": in the next forward's
+            # gathers, which trail the units still to step): those units take its core too
+            cycle.worker.widen(torch.get_num_threads())
         if not self.runs_on:
             try:
-                if self.steps and self.policy.step == "cpu" and self.policy.step_threads is None:
-                    # the caller only waits from here: the units not yet stepped take its core too
-                    cycle.worker.widen(torch.get_num_threads())
                 cycle.worker.join()
                 for event in cycle.downloads:  # device_step_units: host state is final after step()
                     wait_on_host(event)

@@ -282,9 +282,10 @@ def _backward(model: torch.nn.Module, device: torch.device) -> None:
 @pytest.mark.distributed(world_size=2, timeout=300)
 @pytest.mark.matrix(zero="optim_grads_params", offload="cpu_overlap")
 def test_the_worker_widens_only_where_the_caller_waits(dist_env) -> None:
-    """step="cpu", overlap_step=True, step_threads=None: each optimizer.step() widens the worker to
-    the caller's width before waiting for it; an explicit step_threads and "forward" (the caller
-    runs on) never widen. The numbers of the widened run equal the non-overlapped run's."""
+    """step="cpu", overlap_step=True or "forward", step_threads=None: each optimizer.step() widens
+    the worker to the caller's width (True: before waiting for it; "forward": the next forward's
+    gathers wait for it); an explicit step_threads never widens. The numbers of both widened runs
+    equal the non-overlapped run's."""
     from fsdp_impl.offload.worker import StepWorker
     device, calls = dist_env.device, []
     original = StepWorker.widen
@@ -300,10 +301,12 @@ def test_the_worker_widens_only_where_the_caller_waits(dist_env) -> None:
             policy = dataclasses.replace(_overlap_policy("cpu", device, overlap), **extra)
             before = len(calls)
             runs[name] = train("gpt", device, dict(zero_dp_strategy=3, offload_policy=policy), steps=3)
-            assert calls[before:] == ([torch.get_num_threads()] * 3 if name == "widened" else []), (name, calls)
+            widens = name in ("widened", "forward")
+            assert calls[before:] == ([torch.get_num_threads()] * 3 if widens else []), (name, calls)
     finally:
         StepWorker.widen = original  # type: ignore[method-assign]
     _assert_identical(runs["widened"], runs["off"], "widened worker")
+    _assert_identical(runs["forward"], runs["off"], "widened \"forward\" worker")
     _no_worker_left()
 
 
