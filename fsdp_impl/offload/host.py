@@ -108,9 +108,10 @@ class OffloadPolicy:
       down, and the host does no cast. Both casts round as the gathers' device cast: same bits.
     * ``step_threads`` (None): intra-op threads of the overlapped host step (``step="cpu"`` with
       ``overlap_step`` True/``"forward"``); None takes one fewer than the caller's, leaving a
-      core to the thread that drives the device, and with ``True`` the caller's full width for
-      the units still to step once ``optimizer.step()`` waits for them (the caller's core is
-      free then). Adam is elementwise: same bits at any width.
+      core to the thread that drives the device, and the caller's full width for the units
+      still to step from ``optimizer.step()`` on (the caller then waits for them: in ``step()``
+      with ``True``, in the next forward's gathers with ``"forward"``). Adam is elementwise:
+      same bits at any width.
     * ``device_step_units`` (0): with ``step="cpu"``, ``overlap_step=True`` and ``params=True``
       (``upload_ahead``), the first N units of each model in forward order (the root first) step on
       the device instead: their shard, grads and moments go up on a side stream, the
