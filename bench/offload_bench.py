@@ -37,10 +37,12 @@ suite's (the suite's cells run several ranks and compare with FSDP2 without offl
 Per cell: tokens/s over the measured steps, the step split into forward+backward and optimizer
 step (host-synchronised at each boundary), peak device memory (``max_memory_allocated`` over the
 measured steps), device memory at rest after ``zero_grad``, and first/last loss. With
-``--bandwidth`` (or always, with ``--report-limit``) the pinned copy bandwidth is measured and each
-offloaded cell's optimizer step is put against the bytes its step must move over PCIe divided by
-that bandwidth (``offload_bytes``). Results: one JSON line per cell on stdout and a Markdown table;
-``--out`` writes the JSON list.
+``--bandwidth`` (or always, with ``--report-limit``) the pinned copy bandwidth and the host's
+fused AdamW rate are measured, and each offloaded cell gets two floors: the bytes its step must
+move over PCIe divided by that bandwidth (``offload_bytes``), and, where the optimizer steps on
+the host, the bytes its step moves through host memory (the host Adam's and the DMA's,
+``host_bytes``) divided by the host AdamW rate, which no overlap can beat. Results: one JSON
+line per cell on stdout and a Markdown table; ``--out`` writes the JSON list.
 """
 from __future__ import annotations
 
@@ -214,6 +216,18 @@ def offload_bytes(cell: str, n: int) -> tuple[int, int]:
     if cell.startswith("fsdp2-offload"):  # fp32 sharded params up for each of 2 gathers, grads down
         return 2 * 4 * n, 4 * n
     return 0, 0
+
+
+def host_bytes(cell: str, n: int) -> int:
+    """Bytes one training step of ``cell`` moves through host memory where the optimizer steps on
+    the host (``ours-cpu*``, FSDP2's offload): the host Adam's (``ADAM_BYTES`` a param), the DMA
+    both ways (``offload_bytes``) and ``-hostcopy``'s host cast (fp32 read, bf16 written: 6 a
+    param); 0 for the other cells and for ``-dev{k}`` (part of the step on the device)."""
+    base = base_cell(cell)
+    if not base.startswith(("ours-cpu", "fsdp2-offload")) or re.search(r"-dev\d", base):
+        return 0
+    h2d, d2h = offload_bytes(cell, n)
+    return ADAM_BYTES * n + h2d + d2h + (6 * n if "-hostcopy" in base else 0)
 
 
 # ----------------------------------------------------------------------------------- one cell
@@ -536,30 +550,40 @@ def _table(rows: list[dict[str, Any]], bw: dict[str, float] | None) -> str:
     overlapped host work (the units' steps or norms) that ran before the backward ended."""
     head = (f"| cell | size | tokens/s | vs {ANCHOR} | step ms | fwd+bwd ms | opt ms | peak GiB | rest GiB "
             "| host peak GiB | loss first/last | step's host<->device bytes / duplex bandwidth, ms "
-            "| overlapped ms (hidden) |")
-    lines = [head, "|" + "---|" * 13]
+            "| step's host-memory bytes / host AdamW bandwidth, ms | overlapped ms (hidden) |")
+    lines = [head, "|" + "---|" * 14]
     ratio = versus_anchor(rows)
     clip_ratio = versus_anchor(rows, f"{ANCHOR}-clip")
     for r in rows:
         if r.get("status") != "ok":
             lines.append(f"| {r['cell']} | {r.get('size', '')} | {r.get('status')} | | | | | | | | | "
-                         f"{r.get('detail', '')[:80]} | |")
+                         f"{r.get('detail', '')[:80]} | | |")
             continue
         key = (r["cell"], r["size"])
         if r["cell"].endswith("-clip") and key in clip_ratio:
             vs = f"{clip_ratio[key]:.2f}x c"
         else:
             vs = f"{ratio[key]:.2f}x" if key in ratio else ""
-        bound = ""
-        if bw is not None:
-            h2d, d2h = offload_bytes(r["cell"], r["params"])
-            if h2d or d2h:
-                bound = f"{1e3 * max(h2d / (bw['duplex_each_gbps'] * 1e9), d2h / (bw['duplex_each_gbps'] * 1e9)):.0f}"
+        bound, floor = _bounds(r["cell"], r["params"], bw)
         lines.append(f"| {r['cell']} | {r['size']} | {r['tokens_per_s']:.0f} | {vs} | {r['step_ms']:.0f} | "
                      f"{r['fwd_bwd_ms']:.0f} | {r['opt_ms']:.0f} | {r['peak_gib']:.2f} | {r['rest_gib']:.2f} | "
                      f"{r.get('host_peak_gib', float('nan')):.1f} | "
-                     f"{r['loss_first']:.3f}/{r['loss_last']:.3f} | {bound} | {_overlap_cell(r)} |")
+                     f"{r['loss_first']:.3f}/{r['loss_last']:.3f} | {bound} | {floor} | {_overlap_cell(r)} |")
     return "\n".join(lines)
+
+
+def _bounds(cell: str, n: int, bw: dict[str, float] | None) -> tuple[str, str]:
+    """A row's two floors in ms ("" where unknown or not offloaded): its step's host<->device
+    bytes over the duplex bandwidth (the link), and its host-memory bytes over the host's
+    uncontended fused AdamW rate (``host_adam_gbps``): the step of a cell whose host work and
+    copies all overlap cannot be shorter, as the DMA and the host Adam share that memory."""
+    if bw is None:
+        return "", ""
+    h2d, d2h = offload_bytes(cell, n)
+    link = f"{1e3 * max(h2d, d2h) / (bw['duplex_each_gbps'] * 1e9):.0f}" if h2d or d2h else ""
+    host = host_bytes(cell, n)
+    memory = f"{1e3 * host / (bw['host_adam_gbps'] * 1e9):.0f}" if host and bw.get("host_adam_gbps") else ""
+    return link, memory
 
 
 def _overlap_cell(row: dict[str, Any]) -> str:

@@ -35,10 +35,34 @@ def test_table_bounds_each_offloaded_step_by_its_bytes_over_the_bandwidth() -> N
     lines = table.splitlines()
     # ours-gpu moves 16 bytes per parameter each way (main params, moments, grads): 16e9 B / 50 GB/s = 320 ms
     assert lines[2].startswith("| ours-gpu | 7b | 1000 |  | 900 | 300 | 600 | 15.20 | 2.40 | 104.3 |")  # no anchor row
-    assert lines[2].endswith("| 320 |  |")  # the last column: not an overlapped cell
-    assert lines[3].endswith("| 10.400/10.100 |  |  |")  # no offload: no bound
+    # the host-memory floor: the host steps nothing here (and no host AdamW rate was measured)
+    assert lines[2].endswith("| 320 |  |  |")  # the last column: not an overlapped cell
+    assert lines[3].endswith("| 10.400/10.100 |  |  |  |")  # no offload: no bound
     assert lines[4].startswith("| fsdp2 | 7b | OOM |")
-    assert lines[5].endswith("| 200 |  |")  # the lean cell: 10 bytes per parameter each way
+    assert lines[5].endswith("| 200 |  |  |")  # the lean cell: 10 bytes per parameter each way
+
+
+def test_the_host_memory_floor_counts_the_host_adam_the_dma_and_a_host_cast() -> None:
+    """A host-stepped cell's floor: (28 bytes a param of fused AdamW + its DMA both ways + the
+    host cast's 6) over the host's AdamW rate; none where the host steps nothing or part of the
+    step runs on the device."""
+    n = 10**9
+    assert offload_bench.host_bytes("fsdp2-offload-fused", n) == (28 + 8 + 4) * n
+    assert offload_bench.host_bytes("ours-cpu-hostall-forward", n) == (28 + 8 + 4) * n
+    assert offload_bench.host_bytes("ours-cpu-hostall-narrow-overlap", n) == (28 + 8 + 4) * n
+    assert offload_bench.host_bytes("ours-cpu-overlap", n) == (28 + 4 + 4) * n  # the shard refreshed once
+    assert offload_bench.host_bytes("ours-cpu-hostall-hostcopy-overlap", n) == (28 + 4 + 4 + 6) * n
+    assert offload_bench.host_bytes("ours-cpu-hostall-devcopy-overlap", n) == (28 + 6 + 6) * n
+    for cell in ("ours-gpu", "ours", "fsdp2", "ours-cpu-hostall-dev4-overlap"):
+        assert offload_bench.host_bytes(cell, n) == 0, cell
+    ok = {"status": "ok", "params": n, "tokens_per_s": 1000.0, "step_ms": 900.0, "fwd_bwd_ms": 300.0,
+          "opt_ms": 600.0, "peak_gib": 15.2, "rest_gib": 2.4, "host_peak_gib": 104.26, "loss_first": 10.4,
+          "loss_last": 10.1}
+    rows = [{**ok, "cell": "fsdp2-offload-fused", "size": "7b"}, {**ok, "cell": "ours-gpu", "size": "7b"}]
+    bw = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "duplex_each_gbps": 50.0, "host_adam_gbps": 160.0}
+    lines = offload_bench._table(rows, bw).splitlines()
+    assert lines[2].endswith("| 160 | 250 |  |")  # link: 8e9 B / 50 GB/s; host: 40e9 B / 160 GB/s
+    assert lines[3].endswith("| 320 |  |  |")
 
 
 def test_a_cell_runs_in_its_own_process_and_a_failure_is_a_row() -> None:
