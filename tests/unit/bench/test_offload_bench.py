@@ -23,11 +23,16 @@ def test_bad_cells_sizes_and_counts_are_refused_naming_the_allowed_values(capsys
     assert args.cells == ["ours-gpu", "fsdp2-offload"] and offload_bench.SIZES[args.size].hidden == 5120
 
 
+def _ok_row(n: int) -> dict[str, object]:
+    """A measured row of a model of ``n`` params (the cell and size left to the caller)."""
+    return {"status": "ok", "params": n, "tokens_per_s": 1000.0, "step_ms": 900.0, "fwd_bwd_ms": 300.0,
+            "opt_ms": 600.0, "peak_gib": 15.2, "rest_gib": 2.4, "host_peak_gib": 104.26, "loss_first": 10.4,
+            "loss_last": 10.1}
+
+
 def test_table_bounds_each_offloaded_step_by_its_bytes_over_the_bandwidth() -> None:
     n = 10**9
-    ok = {"status": "ok", "params": n, "tokens_per_s": 1000.0, "step_ms": 900.0, "fwd_bwd_ms": 300.0,
-          "opt_ms": 600.0, "peak_gib": 15.2, "rest_gib": 2.4, "host_peak_gib": 104.26, "loss_first": 10.4,
-          "loss_last": 10.1}
+    ok = _ok_row(n)
     rows = [{**ok, "cell": "ours-gpu", "size": "7b"}, {**ok, "cell": "ours", "size": "7b"},
             {"cell": "fsdp2", "size": "7b", "status": "OOM", "detail": "x"},
             {**ok, "cell": "ours-gpu-lean", "size": "9b"}]
@@ -55,9 +60,7 @@ def test_the_host_memory_floor_counts_the_host_adam_the_dma_and_a_host_cast() ->
     assert offload_bench.host_bytes("ours-cpu-hostall-devcopy-overlap", n) == (28 + 6 + 6) * n
     for cell in ("ours-gpu", "ours", "fsdp2", "ours-cpu-hostall-dev4-overlap"):
         assert offload_bench.host_bytes(cell, n) == 0, cell
-    ok = {"status": "ok", "params": n, "tokens_per_s": 1000.0, "step_ms": 900.0, "fwd_bwd_ms": 300.0,
-          "opt_ms": 600.0, "peak_gib": 15.2, "rest_gib": 2.4, "host_peak_gib": 104.26, "loss_first": 10.4,
-          "loss_last": 10.1}
+    ok = _ok_row(n)
     rows = [{**ok, "cell": "fsdp2-offload-fused", "size": "7b"}, {**ok, "cell": "ours-gpu", "size": "7b"}]
     bw = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "duplex_each_gbps": 50.0, "host_adam_gbps": 160.0}
     lines = offload_bench._table(rows, bw).splitlines()
