@@ -222,11 +222,12 @@ def host_bytes(cell: str, n: int) -> int:
     """Bytes one training step of ``cell`` moves through host memory where the optimizer steps on
     the host (``ours-cpu*``, FSDP2's offload): the host Adam's (``ADAM_BYTES`` a param), the DMA
     both ways (``offload_bytes``) and ``-hostcopy``'s host cast (fp32 read, bf16 written: 6 a
-    param); 0 for the other cells and for ``-dev{k}`` (part of the step on the device)."""
+    param); 0 for the other cells and for those whose bytes ``offload_bytes`` does not model
+    (``-dev{k}``: part of the step on the device)."""
     base = base_cell(cell)
-    if not base.startswith(("ours-cpu", "fsdp2-offload")) or re.search(r"-dev\d", base):
-        return 0
     h2d, d2h = offload_bytes(cell, n)
+    if not base.startswith(("ours-cpu", "fsdp2-offload")) or not (h2d or d2h):
+        return 0
     return ADAM_BYTES * n + h2d + d2h + (6 * n if "-hostcopy" in base else 0)
 
 
