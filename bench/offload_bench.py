@@ -577,7 +577,7 @@ def _table(rows: list[dict[str, Any]], bw: dict[str, float] | None) -> str:
 def _bounds(cell: str, n: int, bw: dict[str, float] | None) -> tuple[str, str]:
     """A row's two floors in ms ("" where unknown or not offloaded): its step's host<->device
     bytes over the duplex bandwidth (the link), and its host cores' bytes over the host's
-    uncontended fused AdamW rate at the wider of the two widths measured: however well the rest
+    uncontended fused AdamW rate, the faster of the two widths measured: however well the rest
     overlaps, the host's own work cannot run faster than that."""
     if bw is None:
         return "", ""
