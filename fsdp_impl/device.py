@@ -6,6 +6,9 @@ On CUDA, collectives run on side streams ordered against the compute stream with
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import mmap
 import os
 import weakref
 from collections.abc import Iterator
@@ -80,10 +83,12 @@ def pinned_memory_available(device: torch.device) -> bool:
 # Below this size ``pinned_zeros`` takes torch's pinned allocator (its power-of-two rounding wastes
 # under 1 MiB a buffer); from it up, it page-locks ordinary host memory in place.
 PIN_IN_PLACE_MIN_BYTES = 2**20
+# ``host_zeros(huge_pages=True)``: the transparent huge page size of x86-64 and most arm64 kernels
+HUGE_PAGE_BYTES = 2 * 2**20
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pinning
 
 
-def pinned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+def pinned_zeros(numel: int, dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
     """Zero-filled page-locked host memory of exactly ``numel`` elements (CUDA only).
 
     Why not ``torch.zeros(..., pin_memory=True)``: torch's pinned allocator rounds every block up
@@ -92,11 +97,14 @@ def pinned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     one node. From ``PIN_IN_PLACE_MIN_BYTES`` up, the buffer is ordinary host memory page-locked
     in place (``cudaHostRegister``, as torch's DCP stager does) and unlocked when its storage is
     freed; copies from and to it are asynchronous like those of torch's pinned blocks.
+    ``huge_pages``: see ``host_zeros``.
     """
     nbytes = numel * dtype.itemsize
     if nbytes < PIN_IN_PLACE_MIN_BYTES:
         return torch.zeros(numel, dtype=dtype, pin_memory=True)
-    tensor = torch.zeros(numel, dtype=dtype)
+    tensor = _huge_page_zeros(numel, dtype) if huge_pages else None
+    if tensor is None:
+        tensor = torch.zeros(numel, dtype=dtype)
     storage = tensor.untyped_storage()
     code = int(_cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), _REGISTER_PORTABLE))
     if code != 0:
@@ -106,6 +114,52 @@ def pinned_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     # Not at exit: the CUDA context may be gone by then, and the process's end unlocks the pages.
     weakref.finalize(storage, _host_unregister, storage.data_ptr()).atexit = False
     return tensor
+
+
+def host_zeros(numel: int, dtype: torch.dtype, pin: bool, huge_pages: bool = False) -> torch.Tensor:
+    """A zero-filled host buffer of exactly ``numel`` elements: page-locked (``pinned_zeros``)
+    with ``pin``, else pageable. ``huge_pages``: from ``HUGE_PAGE_BYTES`` up, its own mapping,
+    aligned to and advised for transparent huge pages (``_huge_page_zeros``; Linux only, and only
+    where the kernel's THP mode is ``madvise`` or ``always``; elsewhere the plain buffer). Why: a
+    host step streams every byte of its params, grads and moments each step, and with 4 KiB
+    pages it crosses a page, and needs its translation, every 4 KiB of each stream."""
+    if pin:
+        return pinned_zeros(numel, dtype, huge_pages)
+    tensor = _huge_page_zeros(numel, dtype) if huge_pages else None
+    return tensor if tensor is not None else torch.zeros(numel, dtype=dtype, device=host_device())
+
+
+def _huge_page_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """``numel`` zeros in an anonymous mapping (zero-filled by the kernel, faulted in on first
+    touch) whose first byte is ``HUGE_PAGE_BYTES``-aligned, advised ``MADV_HUGEPAGE`` over the
+    whole pages it holds (the tail under a huge page stays in small pages: no byte more is
+    resident than the buffer's own). None where that cannot be done (small buffer, no
+    ``madvise``, THP off). The tensor keeps the mapping alive; its storage is exactly its bytes."""
+    nbytes = numel * dtype.itemsize
+    if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE") or not _thp_available():
+        return None
+    # private, as malloc's: a shared anonymous mapping is shmem, whose huge pages are a separate switch
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    offset = -base % HUGE_PAGE_BYTES
+    _advise(mapping, offset, nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
+    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset)
+
+
+def _advise(mapping: mmap.mmap, offset: int, length: int) -> None:
+    """``MADV_HUGEPAGE`` over ``length`` bytes of ``mapping`` from ``offset`` (before any touch, so
+    the first faults take huge pages; a function, so tests can see the advice)."""
+    mapping.madvise(mmap.MADV_HUGEPAGE, offset, length)
+
+
+@functools.cache
+def _thp_available() -> bool:
+    """Whether the kernel gives transparent huge pages to a region advised for them."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
 
 
 def _cudart() -> Any:

@@ -24,7 +24,7 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.distributed.tensor import DTensor
 
-from ..device import CommStream, host_device, pinned_zeros
+from ..device import CommStream, host_zeros
 from ..placement import local_tensor
 from .optim import GradOf, _device_step, _init_host_state, user_class, user_kernel
 from .step import GRAD, PARAM, STATE_KINDS, ChunkKind, StreamEntry
@@ -56,7 +56,7 @@ def device_step_unit(optimizer: torch.optim.Optimizer, unit: FSDPUnit, grad_of: 
                     continue
                 state = optimizer.state[p]
                 if len(state) == 0:
-                    _init_host_state(optimizer, cls, group, p)
+                    _init_host_state(optimizer, cls, group, p, unit, mp)
                     _pin_moments(state, unit, mp, offload.non_blocking)
                 views = {PARAM: _device_view(weight, host_weight, local_tensor(p)),
                          GRAD: offload.upload(grad_of(unit, mp).reshape(-1)).view(local_tensor(p).shape)}
@@ -108,8 +108,8 @@ def _pin_moments(state: dict[str, Any], unit: FSDPUnit, mp: ManagedParam, pin: b
             continue
         value = state[key]
         local = local_tensor(value)
-        fresh = (pinned_zeros(local.numel(), local.dtype) if pin
-                 else torch.zeros(local.numel(), dtype=local.dtype, device=host_device())).view(local.shape)
+        fresh = host_zeros(local.numel(), local.dtype, pin, unit.offload is not None
+                           and unit.offload.policy.huge_pages).view(local.shape)
         state[key] = unit.ctx.plan.wrap(fresh, mp.tp, mp.shape) if isinstance(value, DTensor) else fresh
 
 

@@ -41,8 +41,8 @@ from ..device import (
     current_stream_wait,
     free_memory,
     host_device,
+    host_zeros,
     pinned_memory_available,
-    pinned_zeros,
     synchronize,
 )
 from ..policy import ResolvedDtypes
@@ -84,6 +84,11 @@ class OffloadPolicy:
       the math there (``fsdp_impl.optim.Adam/AdamW``, ``torch.optim.Adam/AdamW``); ``"cpu"`` runs
       the optimizer on the host (any optimizer; Adam/AdamW use torch's fused CPU kernel).
     * ``pin_memory`` (True): page-locked host buffers (asynchronous copies); needs CUDA.
+    * ``huge_pages`` (True): the host buffers the engine makes (main params, grads, compute-dtype
+      copies, the streamed step's state, and with ``overlap_step`` the moments of torch's
+      Adam/AdamW) of 2 MiB and more get their own mappings advised for transparent huge pages
+      (``device.host_zeros``; Linux with THP in ``madvise`` or ``always`` mode, else ordinary
+      pages). The host step streams all of them every step. Same bytes, same numbers.
     * ``chunk_bytes`` (64 MiB): device bytes of one chunk of the streamed step (all streamed
       tensors of the chunk together), an upper bound: a chunk never holds more than the step
       streams, and the window holds ``WINDOW_SLOTS`` chunks (fewer when the step has fewer). A
@@ -144,6 +149,7 @@ class OffloadPolicy:
     params: bool = False
     step: StepMode = "gpu"
     pin_memory: bool = True
+    huge_pages: bool = True
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     overlap_step: OverlapMode = False
     upload_ahead: bool = True
@@ -152,7 +158,7 @@ class OffloadPolicy:
     device_step_units: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("optimizer_state", "main_params", "params", "pin_memory", "upload_ahead"):
+        for name in ("optimizer_state", "main_params", "params", "pin_memory", "upload_ahead", "huge_pages"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"OffloadPolicy.{name} must be True or False, got {getattr(self, name)!r}")
         self._check_host_step()
@@ -315,17 +321,18 @@ def check_window(policy: OffloadPolicy | None, parts: Sequence[tuple[Sequence[Ma
             raise window_too_large(policy.chunk_bytes, need, free, device, rank)
 
 
-def host_buffer(like: DataParallelBuffer, pin: bool) -> DataParallelBuffer:
-    """A zero-filled host buffer with ``like``'s layout, rank and dtype (pinned if asked)."""
+def host_buffer(like: DataParallelBuffer, policy: OffloadPolicy) -> DataParallelBuffer:
+    """A zero-filled host buffer with ``like``'s layout, rank and dtype (pinned and in huge pages
+    as ``policy`` asks)."""
     buf = DataParallelBuffer(like.layout, like.rank, like.dtype, host_device())
-    if pin:
-        buf.data = pinned_zeros(buf.data.numel(), buf.dtype)
+    if policy.pin_memory or policy.huge_pages:
+        buf.data = host_zeros(buf.data.numel(), buf.dtype, policy.pin_memory, policy.huge_pages)
     return buf
 
 
 def host_weight(policy: OffloadPolicy, like: DataParallelBuffer) -> DataParallelBuffer:
     """A unit's weight buffer: on the host with ``main_params``, else ``like`` itself."""
-    return host_buffer(like, policy.pin_memory) if policy.main_params else like
+    return host_buffer(like, policy) if policy.main_params else like
 
 
 class AheadCopy(NamedTuple):
@@ -365,13 +372,12 @@ class UnitOffload:
         self.weight_ready: Any = None  # device_step_units: the event of the new shard's download
         if policy.compute_copy_on_host is not False:
             numel = weight.data.numel()
-            self.host_copy = (pinned_zeros(numel, compute_dtype) if policy.pin_memory
-                              else torch.zeros(numel, dtype=compute_dtype, device=host_device()))
+            self.host_copy = host_zeros(numel, compute_dtype, policy.pin_memory, policy.huge_pages)
         self.await_step: Callable[[], None] | None = None  # overlap_step="forward": waits for this unit's step
         self.host_grad_fresh = True  # the host grads were zeroed or consumed since the last copy
         self.landed = False  # overlap_step: this sync backward's grads were copied when they landed
         if grad is not None and policy.grads_on_host:
-            self.host_grad = host_buffer(grad, policy.pin_memory)
+            self.host_grad = host_buffer(grad, policy)
             grad.free()
         if policy.device_compute_shard:
             self.compute_shard = torch.empty(weight.data.numel(), dtype=compute_dtype, device=device)

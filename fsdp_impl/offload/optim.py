@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype  # Adam's step-counter dtype (torch's own rule)
 
 from ..decoupled import read_grad
-from ..device import host_device, pinned_zeros, synchronize
+from ..device import host_device, host_zeros, synchronize
 from ..graph_mode import USER_CLASS_ATTR
 from ..optim import Adam as FsdpAdam
 from ..optim import AdamW as FsdpAdamW
@@ -338,10 +338,8 @@ class OffloadedAdamStep:
             numel = self._offsets(unit)[-1]
             if not self.policy.optimizer_state:
                 arena = torch.zeros(numel, dtype=dtype, device=self.device)
-            elif self.policy.pin_memory:
-                arena = pinned_zeros(numel, dtype)
             else:
-                arena = torch.zeros(numel, dtype=dtype, device=host_device())
+                arena = host_zeros(numel, dtype, self.policy.pin_memory, self.policy.huge_pages)
             self.arenas[name] = arena
         return arena
 
@@ -421,7 +419,7 @@ def host_step_units(optimizer: torch.optim.Optimizer, units: list[FSDPUnit], gra
             unit, mp = owned[id(p)]
             state = optimizer.state[p]
             if len(state) == 0:
-                _init_host_state(optimizer, cls, group, p)
+                _init_host_state(optimizer, cls, group, p, unit, mp)
             views: dict[ChunkKind, torch.Tensor] = {PARAM: local_tensor(p)}
             views[GRAD] = grad_of(unit, mp).view(views[PARAM].shape)
             for key in STATE_KINDS:
@@ -437,9 +435,11 @@ def host_step_units(optimizer: torch.optim.Optimizer, units: list[FSDPUnit], gra
         increment_version(unit.weight.data)  # what note_optimizer_step does, for this unit
 
 
-def _init_host_state(optimizer: torch.optim.Optimizer, cls: type, group: dict[str, Any], p: torch.Tensor) -> None:
+def _init_host_state(optimizer: torch.optim.Optimizer, cls: type, group: dict[str, Any], p: torch.Tensor,
+                     unit: FSDPUnit, mp: ManagedParam) -> None:
     """The state the optimizer's own lazy init makes for ``p`` (torch's ``Adam._init_group``,
-    ``fsdp_impl.optim.Adam._init_state``): same keys, dtypes, devices and DTensor moments."""
+    ``fsdp_impl.optim.Adam._init_state``): same keys, dtypes, devices and DTensor moments; torch's
+    moments in huge pages with ``OffloadPolicy.huge_pages`` (``_host_moment``)."""
     if _is_fsdp_adam(cls):
         optimizer._init_state(p, group)  # type: ignore[attr-defined]
         return
@@ -447,8 +447,16 @@ def _init_host_state(optimizer: torch.optim.Optimizer, cls: type, group: dict[st
     fused, capturable = bool(group["fused"]), bool(group["capturable"])
     state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
                      if capturable or fused else torch.tensor(0.0, dtype=_get_scalar_dtype(), device=host_device()))
+    huge = unit.offload is not None and unit.offload.policy.huge_pages
     for key in STATE_KINDS if group["amsgrad"] else STATE_KINDS[:2]:
-        state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state[key] = _host_moment(p, unit, mp) if huge else torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _host_moment(p: torch.Tensor, unit: FSDPUnit, mp: ManagedParam) -> torch.Tensor:
+    """``zeros_like(p)`` (a host param, maybe a DTensor) in huge pages (``device.host_zeros``)."""
+    local = local_tensor(p)
+    fresh = host_zeros(local.numel(), local.dtype, pin=False, huge_pages=True).view(local.shape)
+    return unit.ctx.plan.wrap(fresh, mp.tp, mp.shape) if isinstance(p, DTensor) else fresh
 
 
 def _device_step(group: dict[str, Any]) -> bool:

@@ -153,11 +153,13 @@ def _host_cached_bytes() -> int:
 @pytest.mark.matrix(mesh=axes.mesh(1), zero="optim_grads_params", dtype="bf16", model="mlp", offload="gpu")
 @pytest.mark.parametrize("numel,dtype", [(201_326_592 + 5, torch.float32),
                                          (PIN_IN_PLACE_MIN_BYTES // 2, torch.bfloat16)])
-def test_pinned_zeros_are_exact_page_locked_and_copy_asynchronously(numel: int, dtype: torch.dtype,
+@pytest.mark.parametrize("huge_pages", [False, True], ids=["4k", "huge"])
+def test_pinned_zeros_are_exact_page_locked_and_copy_asynchronously(numel: int, dtype: torch.dtype, huge_pages: bool,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """An 805 MB (+20 bytes) buffer: page-locked, exactly its bytes, outside torch's caching host
     allocator (which would hold 1 GiB for it); an asynchronous device round trip returns its
-    values; freeing it unlocks the pages (cudaHostUnregister returns cudaSuccess)."""
+    values; freeing it unlocks the pages (cudaHostUnregister returns cudaSuccess). With
+    ``huge_pages`` the same from its own huge-page-aligned mapping."""
     unlocked: list[tuple[int, int]] = []
     real_unregister = fsdp_device._host_unregister
 
@@ -168,7 +170,7 @@ def test_pinned_zeros_are_exact_page_locked_and_copy_asynchronously(numel: int, 
     monkeypatch.setattr(fsdp_device, "_host_unregister", recording_unregister)
     torch.cuda.synchronize()
     before = _host_cached_bytes()
-    host = pinned_zeros(numel, dtype)
+    host = pinned_zeros(numel, dtype, huge_pages)
     assert host.is_pinned() and host.numel() == numel and host.untyped_storage().nbytes() == numel * dtype.itemsize
     assert int(host.count_nonzero()) == 0
     assert _host_cached_bytes() == before, "the buffer came from torch's (rounding) pinned allocator"

@@ -78,3 +78,78 @@ def test_a_failed_lock_is_an_error_naming_the_way_out(monkeypatch: pytest.Monkey
     monkeypatch.setattr(device, "_cudart", lambda: fake)
     with pytest.raises(RuntimeError, match=r"cudaHostRegister error 2.*OffloadPolicy\(pin_memory=False\)"):
         device.pinned_zeros(2**20, torch.float32)
+
+
+HUGE = device.HUGE_PAGE_BYTES
+needs_madvise = pytest.mark.skipif(not hasattr(__import__("mmap"), "MADV_HUGEPAGE"),
+                                   reason="huge pages need mmap.MADV_HUGEPAGE (Linux)")
+
+
+@pytest.fixture
+def advised(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """THP said to be available, and the advice recorded instead of given (the kernel may lack THP)."""
+    seen: list[tuple[int, int]] = []
+    monkeypatch.setattr(device, "_thp_available", lambda: True)
+    monkeypatch.setattr(device, "_advise", lambda mapping, offset, length: seen.append((offset, length)))
+    return seen
+
+
+@needs_madvise
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "pageable"])
+def test_huge_pages_give_an_aligned_buffer_of_exactly_its_bytes(pin: bool, cudart: FakeCudart,
+                                                                 advised: list[tuple[int, int]]) -> None:
+    """Three huge pages and 20 bytes: the buffer starts on a huge-page boundary, holds exactly its
+    bytes, reads as zeros, is advised over its three whole pages only (the 20-byte tail stays in
+    small pages: nothing more is resident), and (pinned) is locked exactly; its values survive."""
+    numel = 3 * HUGE // 4 + 5
+    tensor = device.host_zeros(numel, torch.float32, pin=pin, huge_pages=True)
+    ptr = tensor.untyped_storage().data_ptr()
+    assert tensor.shape == (numel,) and ptr % HUGE == 0 and tensor.untyped_storage().nbytes() == numel * 4
+    assert int(tensor.count_nonzero()) == 0
+    assert len(advised) == 1 and advised[0][1] == 3 * HUGE, advised
+    assert cudart.registered == ([(ptr, numel * 4, 1)] if pin else [])
+    values = torch.arange(numel, dtype=torch.float32)
+    tensor.copy_(values)
+    assert torch.equal(tensor, values)
+    del tensor
+    gc.collect()
+    assert cudart.unregistered == ([ptr] if pin else [])
+
+
+@needs_madvise
+def test_huge_pages_leave_small_buffers_and_thp_off_alone(cudart: FakeCudart, advised: list[tuple[int, int]],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under one huge page, or with the kernel's THP mode ``never``, the buffer is the ordinary
+    one (no mapping of its own, no advice); ``huge_pages=False`` never advises."""
+    small = device.host_zeros(HUGE // 4 - 1, torch.float32, pin=True, huge_pages=True)
+    assert small.untyped_storage().nbytes() == HUGE - 4 and advised == []
+    device.host_zeros(HUGE, torch.float32, pin=False, huge_pages=False)
+    assert advised == []
+    monkeypatch.setattr(device, "_thp_available", lambda: False)
+    device.host_zeros(HUGE, torch.float32, pin=False, huge_pages=True)
+    assert advised == []
+
+
+@needs_madvise
+def test_thp_mode_is_read_from_the_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """``never`` selected: unavailable; ``madvise`` or ``always``: available; no file: unavailable."""
+    import builtins
+    real_open = builtins.open
+    for text, expect in (("always madvise [never]\n", False), ("always [madvise] never\n", True),
+                         ("[always] madvise never\n", True), (None, False)):
+        device._thp_available.cache_clear()
+        path = tmp_path / "enabled"
+        if text is not None:
+            path.write_text(text)
+
+        def fake_open(name: Any, *args: Any, _path: Any = path, **kwargs: Any) -> Any:
+            if str(name) == "/sys/kernel/mm/transparent_hugepage/enabled":
+                return real_open(_path, *args, **kwargs)
+            return real_open(name, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", fake_open)
+        if text is None and path.exists():
+            path.unlink()
+        assert device._thp_available() is expect, text
+        monkeypatch.setattr(builtins, "open", real_open)
+    device._thp_available.cache_clear()
