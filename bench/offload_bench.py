@@ -99,9 +99,9 @@ CELLS = {
     "ours-cpu-forward": ("as ours-cpu + overlap_step='forward' (the host step overlaps the backward and runs on "
                          "into the next forward: step() returns at once, each unit's gather waits for its step)"),
     "ours-cpu-hostall-forward": "as ours-cpu-hostall + overlap_step='forward'",
-    "ours-cpu-hostall-4k-forward": ("as ours-cpu-hostall-forward with huge_pages=False (host buffers in ordinary "
-                                    "4 KiB pages, as before the seventh session of 2026-12-06)"),
-    "ours-cpu-hostall-devcopy-4k-forward": "as ours-cpu-hostall-devcopy-forward with huge_pages=False",
+    "ours-cpu-hostall-huge-forward": ("as ours-cpu-hostall-forward with huge_pages=True (host buffers of 2 MiB and "
+                                      "more in transparent huge pages)"),
+    "ours-cpu-hostall-devcopy-huge-forward": "as ours-cpu-hostall-devcopy-forward with huge_pages=True",
     "ours-cpu-hostall-narrow-forward": ("as ours-cpu-hostall-forward with step_threads = one fewer than the caller's "
                                         "throughout (before 2026-12-06's fifth session \"forward\" did not widen)"),
     "ours-cpu-hostall-overlap-clip": "as ours-cpu-hostall + clip_grad_norm(model, 1.0) + overlap_step='clip'",
@@ -201,7 +201,7 @@ def offload_bytes(cell: str, n: int) -> tuple[int, int]:
     """(H2D, D2H) bytes one training step of ``cell`` moves between host and device, per rank of
     1, fp32 main params/grads/moments, bf16 compute, ZeRO-3 (two gathers per step)."""
     # neither the host step's width nor the page size moves a byte
-    cell = base_cell(cell).replace("-wide", "").replace("-narrow", "").replace("-4k", "")
+    cell = base_cell(cell).replace("-wide", "").replace("-narrow", "").replace("-huge", "")
     if cell == "ours-gpu":  # window: main + 2 moments + grads in, main + 2 moments out; grads down after the
         return 16 * n, 12 * n + 4 * n  # backward; gathers from the device compute shard (refreshed from the window)
     if cell == "ours-gpu-hostall":  # window also streams the grads in; grads down after backward; 2 gathers from host
@@ -271,10 +271,10 @@ def _build(cell: str, cfg: GPTConfig, device: torch.device) -> tuple[torch.nn.Mo
                                                                overlap_step=overlap)
         elif base.startswith("ours-cpu"):  # -hostall: params=True, -lateup: no upload ahead, -hostcopy/-devcopy:
             # a host bf16 copy cast on the host / on the device, -wide / -narrow: the worker as wide as the caller /
-            # one fewer throughout, -4k: host buffers in ordinary pages
+            # one fewer throughout, -huge: host buffers in transparent huge pages
             kwargs["offload_policy"] = fsdp_impl.OffloadPolicy(step="cpu", params="hostall" in base,
                                                                pin_memory=pin, overlap_step=overlap,
-                                                               huge_pages="-4k" not in base,
+                                                               huge_pages="-huge" in base,
                                                                upload_ahead="lateup" not in base,
                                                                compute_copy_on_host=host_copy_mode(base),
                                                                step_threads=step_threads(base),

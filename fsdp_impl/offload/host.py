@@ -84,11 +84,12 @@ class OffloadPolicy:
       the math there (``fsdp_impl.optim.Adam/AdamW``, ``torch.optim.Adam/AdamW``); ``"cpu"`` runs
       the optimizer on the host (any optimizer; Adam/AdamW use torch's fused CPU kernel).
     * ``pin_memory`` (True): page-locked host buffers (asynchronous copies); needs CUDA.
-    * ``huge_pages`` (True): the host buffers the engine makes (main params, grads, compute-dtype
+    * ``huge_pages`` (False): the host buffers the engine makes (main params, grads, compute-dtype
       copies, the streamed step's state, and with ``overlap_step`` the moments of torch's
       Adam/AdamW) of 2 MiB and more get their own mappings advised for transparent huge pages
       (``device.host_zeros``; Linux with THP in ``madvise`` or ``always`` mode, else ordinary
-      pages). The host step streams all of them every step. Same bytes, same numbers.
+      pages). The host step streams all of them every step. Same bytes, same numbers. Off by
+      default: on two hosts measured within the rounds' noise (``fsdp_impl/README.md``).
     * ``chunk_bytes`` (64 MiB): device bytes of one chunk of the streamed step (all streamed
       tensors of the chunk together), an upper bound: a chunk never holds more than the step
       streams, and the window holds ``WINDOW_SLOTS`` chunks (fewer when the step has fewer). A
@@ -149,7 +150,7 @@ class OffloadPolicy:
     params: bool = False
     step: StepMode = "gpu"
     pin_memory: bool = True
-    huge_pages: bool = True
+    huge_pages: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     overlap_step: OverlapMode = False
     upload_ahead: bool = True

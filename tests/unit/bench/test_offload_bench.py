@@ -53,7 +53,7 @@ def test_the_host_memory_floor_counts_the_host_adam_and_a_host_cast() -> None:
     the host steps nothing or part of the step runs on the device."""
     n = 10**9
     for cell in ("fsdp2-offload-fused", "ours-cpu-hostall-forward", "ours-cpu-hostall-narrow-overlap",
-                 "ours-cpu-hostall-4k-forward", "ours-cpu-overlap",
+                 "ours-cpu-hostall-huge-forward", "ours-cpu-overlap",
                  "ours-cpu-hostall-devcopy-overlap"):  # the devcopy's cast runs on the device
         assert offload_bench.host_bytes(cell, n) == 28 * n, cell
     assert offload_bench.host_bytes("ours-cpu-hostall-hostcopy-overlap", n) == (28 + 6) * n
@@ -116,7 +116,7 @@ def test_overlap_cells_their_policy_bytes_and_hidden_share() -> None:
     assert offload_bench.offload_bytes("ours-cpu-hostall-hostcopy-forward", 10) == (40, 40)  # bf16 up
     assert offload_bench.offload_bytes("ours-cpu-hostall-devcopy-overlap", 10) == (60, 60)  # fp32 + bf16 up, bf16 down
     assert offload_bench.offload_bytes("ours-cpu-hostall-wide-overlap", 10) == (80, 40)
-    assert offload_bench.offload_bytes("ours-cpu-hostall-4k-forward", 10) == (80, 40)  # the page size moves no byte
+    assert offload_bench.offload_bytes("ours-cpu-hostall-huge-forward", 10) == (80, 40)  # the page size moves no byte
     assert [offload_bench.host_copy_mode(offload_bench.base_cell(c)) for c in (
         "ours-cpu-hostall-overlap", "ours-cpu-hostall-hostcopy-forward", "ours-cpu-hostall-devcopy-overlap")] == [
         False, True, "device"]

@@ -39,6 +39,12 @@ def test_upload_ahead_is_a_bool(value: object) -> None:
         OffloadPolicy(upload_ahead=value)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_huge_pages_is_a_bool(value: object) -> None:
+    with pytest.raises(TypeError, match=r"^OffloadPolicy\.huge_pages must be True or False, got "):
+        OffloadPolicy(huge_pages=value)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("value", [True, "clip"])
 def test_overlap_needs_host_grads(value: object) -> None:
     with pytest.raises(ValueError, match=r"overlap_step=.*grads must be on the host"):

@@ -153,3 +153,23 @@ def test_thp_mode_is_read_from_the_kernel(monkeypatch: pytest.MonkeyPatch, tmp_p
         assert device._thp_available() is expect, text
         monkeypatch.setattr(builtins, "open", real_open)
     device._thp_available.cache_clear()
+
+
+@needs_madvise
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_offload_host_buffers_follow_the_policys_huge_pages(huge_pages: bool, advised: list[tuple[int, int]]) -> None:
+    """``OffloadPolicy.huge_pages`` reaches the unit's host buffers (``host_buffer``): a 4 MiB +
+    12-byte weight buffer is advised over its two whole huge pages and starts on one, or (False)
+    is the ordinary buffer, never advised; either way its values and layout are the same."""
+    from fsdp_impl.buffers import DataParallelBuffer
+    from fsdp_impl.offload.host import OffloadPolicy, host_buffer
+    from fsdp_impl.sharding import FlatLayout
+
+    like = DataParallelBuffer(FlatLayout([(HUGE // 4, 2), (3,)], 1), rank=0, dtype=torch.float32,
+                              device=torch.device("cpu"))
+    buf = host_buffer(like, OffloadPolicy(step="cpu", pin_memory=False, huge_pages=huge_pages))
+    assert buf.data.numel() == like.data.numel() and int(buf.data.count_nonzero()) == 0
+    if huge_pages:
+        assert buf.data.data_ptr() % HUGE == 0 and advised == [(advised[0][0], 2 * HUGE)], advised
+    else:
+        assert advised == []
