@@ -120,9 +120,10 @@ def host_zeros(numel: int, dtype: torch.dtype, pin: bool, huge_pages: bool = Fal
     """A zero-filled host buffer of exactly ``numel`` elements: page-locked (``pinned_zeros``)
     with ``pin``, else pageable. ``huge_pages``: from ``HUGE_PAGE_BYTES`` up, its own mapping,
     aligned to and advised for transparent huge pages (``_huge_page_zeros``; Linux only, and only
-    where the kernel's THP mode is ``madvise`` or ``always``; elsewhere the plain buffer). Why: a
-    host step streams every byte of its params, grads and moments each step, and with 4 KiB
-    pages it crosses a page, and needs its translation, every 4 KiB of each stream."""
+    where the kernel's THP mode is ``madvise`` or ``always``; elsewhere the plain buffer). Why
+    try it: a host step streams every byte of its params, grads and moments each step, and with
+    4 KiB pages each stream needs a new translation every 4 KiB (measured within the noise so
+    far: ``OffloadPolicy.huge_pages`` is off by default)."""
     if pin:
         return pinned_zeros(numel, dtype, huge_pages)
     tensor = _huge_page_zeros(numel, dtype) if huge_pages else None
