@@ -154,10 +154,11 @@ def _advise(mapping: mmap.mmap, offset: int, length: int) -> None:
 
 
 @functools.cache
-def _thp_available() -> bool:
-    """Whether the kernel gives transparent huge pages to a region advised for them."""
+def _thp_available(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> bool:
+    """Whether the kernel gives transparent huge pages to a region advised for them (its THP
+    mode, the bracketed word of ``path``, is not ``never``; no such file: no THP)."""
     try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        with open(path) as f:
             return "[never]" not in f.read()
     except OSError:
         return False

@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.graph import increment_version
-from torch.distributed.tensor import DTensor
 
-from ..device import CommStream, host_zeros
+from ..device import CommStream
 from ..placement import local_tensor
-from .optim import GradOf, _device_step, _init_host_state, user_class, user_kernel
+from .optim import GradOf, _device_step, _init_host_state, host_zeros_like, user_class, user_kernel
 from .step import GRAD, PARAM, STATE_KINDS, ChunkKind, StreamEntry
 
 if TYPE_CHECKING:
@@ -104,13 +103,8 @@ def _pin_moments(state: dict[str, Any], unit: FSDPUnit, mp: ManagedParam, pin: b
     """Fresh moments in page-locked memory (the lazy init's ``zeros_like`` is pageable, and a
     copy from pageable memory blocks the worker)."""
     for key in STATE_KINDS:
-        if key not in state:
-            continue
-        value = state[key]
-        local = local_tensor(value)
-        fresh = host_zeros(local.numel(), local.dtype, pin, unit.offload is not None
-                           and unit.offload.policy.huge_pages).view(local.shape)
-        state[key] = unit.ctx.plan.wrap(fresh, mp.tp, mp.shape) if isinstance(value, DTensor) else fresh
+        if key in state:
+            state[key] = host_zeros_like(state[key], unit, mp, pin)
 
 
 __all__ = ["device_step_unit"]

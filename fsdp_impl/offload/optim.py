@@ -439,7 +439,7 @@ def _init_host_state(optimizer: torch.optim.Optimizer, cls: type, group: dict[st
                      unit: FSDPUnit, mp: ManagedParam) -> None:
     """The state the optimizer's own lazy init makes for ``p`` (torch's ``Adam._init_group``,
     ``fsdp_impl.optim.Adam._init_state``): same keys, dtypes, devices and DTensor moments; torch's
-    moments in huge pages with ``OffloadPolicy.huge_pages`` (``_host_moment``)."""
+    moments in huge pages with ``OffloadPolicy.huge_pages`` (``host_zeros_like``)."""
     if _is_fsdp_adam(cls):
         optimizer._init_state(p, group)  # type: ignore[attr-defined]
         return
@@ -449,14 +449,17 @@ def _init_host_state(optimizer: torch.optim.Optimizer, cls: type, group: dict[st
                      if capturable or fused else torch.tensor(0.0, dtype=_get_scalar_dtype(), device=host_device()))
     huge = unit.offload is not None and unit.offload.policy.huge_pages
     for key in STATE_KINDS if group["amsgrad"] else STATE_KINDS[:2]:
-        state[key] = _host_moment(p, unit, mp) if huge else torch.zeros_like(p, memory_format=torch.preserve_format)
+        state[key] = (host_zeros_like(p, unit, mp, pin=False) if huge
+                      else torch.zeros_like(p, memory_format=torch.preserve_format))
 
 
-def _host_moment(p: torch.Tensor, unit: FSDPUnit, mp: ManagedParam) -> torch.Tensor:
-    """``zeros_like(p)`` (a host param, maybe a DTensor) in huge pages (``device.host_zeros``)."""
-    local = local_tensor(p)
-    fresh = host_zeros(local.numel(), local.dtype, pin=False, huge_pages=True).view(local.shape)
-    return unit.ctx.plan.wrap(fresh, mp.tp, mp.shape) if isinstance(p, DTensor) else fresh
+def host_zeros_like(like: torch.Tensor, unit: FSDPUnit, mp: ManagedParam, pin: bool) -> torch.Tensor:
+    """``zeros_like(like)`` (param ``mp``'s host tensor or moment, maybe a DTensor) from
+    ``device.host_zeros``: page-locked with ``pin``, in huge pages as the unit's policy asks."""
+    local = local_tensor(like)
+    huge = unit.offload is not None and unit.offload.policy.huge_pages
+    fresh = host_zeros(local.numel(), local.dtype, pin, huge).view(local.shape)
+    return unit.ctx.plan.wrap(fresh, mp.tp, mp.shape) if isinstance(like, DTensor) else fresh
 
 
 def _device_step(group: dict[str, Any]) -> bool:

@@ -131,28 +131,15 @@ def test_huge_pages_leave_small_buffers_and_thp_off_alone(cudart: FakeCudart, ad
 
 
 @needs_madvise
-def test_thp_mode_is_read_from_the_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+def test_thp_mode_is_read_from_the_kernel(tmp_path: Any) -> None:
     """``never`` selected: unavailable; ``madvise`` or ``always``: available; no file: unavailable."""
-    import builtins
-    real_open = builtins.open
-    for text, expect in (("always madvise [never]\n", False), ("always [madvise] never\n", True),
-                         ("[always] madvise never\n", True), (None, False)):
-        device._thp_available.cache_clear()
-        path = tmp_path / "enabled"
+    for name, text, expect in (("never", "always madvise [never]\n", False),
+                               ("madvise", "always [madvise] never\n", True),
+                               ("always", "[always] madvise never\n", True), ("missing", None, False)):
+        path = tmp_path / name
         if text is not None:
             path.write_text(text)
-
-        def fake_open(name: Any, *args: Any, _path: Any = path, **kwargs: Any) -> Any:
-            if str(name) == "/sys/kernel/mm/transparent_hugepage/enabled":
-                return real_open(_path, *args, **kwargs)
-            return real_open(name, *args, **kwargs)
-
-        monkeypatch.setattr(builtins, "open", fake_open)
-        if text is None and path.exists():
-            path.unlink()
-        assert device._thp_available() is expect, text
-        monkeypatch.setattr(builtins, "open", real_open)
-    device._thp_available.cache_clear()
+        assert device._thp_available(str(path)) is expect, text
 
 
 @needs_madvise
