@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from bench import offload_bench
+from bench import offload_bench, offload_cells
 
 
 def test_bad_cells_sizes_and_counts_are_refused_naming_the_allowed_values(capsys: pytest.CaptureFixture) -> None:
@@ -55,10 +55,10 @@ def test_the_host_memory_floor_counts_the_host_adam_and_a_host_cast() -> None:
     for cell in ("fsdp2-offload-fused", "ours-cpu-hostall-forward", "ours-cpu-hostall-narrow-overlap",
                  "ours-cpu-hostall-huge-forward", "ours-cpu-overlap",
                  "ours-cpu-hostall-devcopy-overlap"):  # the devcopy's cast runs on the device
-        assert offload_bench.host_bytes(cell, n) == 28 * n, cell
-    assert offload_bench.host_bytes("ours-cpu-hostall-hostcopy-overlap", n) == (28 + 6) * n
+        assert offload_cells.host_bytes(cell, n) == 28 * n, cell
+    assert offload_cells.host_bytes("ours-cpu-hostall-hostcopy-overlap", n) == (28 + 6) * n
     for cell in ("ours-gpu", "ours", "fsdp2", "ours-cpu-hostall-dev4-overlap"):
-        assert offload_bench.host_bytes(cell, n) == 0, cell
+        assert offload_cells.host_bytes(cell, n) == 0, cell
     ok = _ok_row(n)
     rows = [{**ok, "cell": "fsdp2-offload-fused", "size": "7b"}, {**ok, "cell": "ours-gpu", "size": "7b"}]
     bw = {"h2d_gbps": 55.0, "d2h_gbps": 55.0, "duplex_each_gbps": 50.0, "host_adam_gbps": 140.0,
@@ -103,26 +103,26 @@ def test_a_cell_runs_in_its_own_process_and_a_failure_is_a_row() -> None:
 def test_overlap_cells_their_policy_bytes_and_hidden_share() -> None:
     """The -overlap/-clip suffixes pick overlap_step and move the bytes of their base cell; the
     hidden share is the overlapped host time before the backward ended over all of it."""
-    assert [offload_bench.overlap_mode(c) for c in ("ours-cpu", "ours-cpu-clip", "ours-gpu-overlap",
+    assert [offload_cells.overlap_mode(c) for c in ("ours-cpu", "ours-cpu-clip", "ours-gpu-overlap",
                                                     "ours-gpu-overlap-clip", "ours-cpu-hostall-forward")] == [
         False, False, True, "clip", "forward"]
-    assert offload_bench.base_cell("ours-cpu-hostall-forward") == "ours-cpu-hostall"
-    assert offload_bench.base_cell("ours-gpu-overlap-clip") == "ours-gpu"
-    assert offload_bench.offload_bytes("ours-cpu-overlap", 10) == offload_bench.offload_bytes("ours-cpu", 10)
-    assert offload_bench.offload_bytes("ours-cpu", 10) == (40, 40)
+    assert offload_cells.base_cell("ours-cpu-hostall-forward") == "ours-cpu-hostall"
+    assert offload_cells.base_cell("ours-gpu-overlap-clip") == "ours-gpu"
+    assert offload_cells.offload_bytes("ours-cpu-overlap", 10) == offload_cells.offload_bytes("ours-cpu", 10)
+    assert offload_cells.offload_bytes("ours-cpu", 10) == (40, 40)
     # params=True: each of ZeRO-3's two gathers uploads the fp32 host shard, as FSDP2's offload does
-    assert offload_bench.offload_bytes("ours-cpu-hostall-overlap", 10) == offload_bench.offload_bytes(
-        "fsdp2-offload-fused", 10) == offload_bench.offload_bytes("ours-cpu-hostall-lateup-overlap", 10) == (80, 40)
-    assert offload_bench.offload_bytes("ours-cpu-hostall-hostcopy-forward", 10) == (40, 40)  # bf16 up
-    assert offload_bench.offload_bytes("ours-cpu-hostall-devcopy-overlap", 10) == (60, 60)  # fp32 + bf16 up, bf16 down
-    assert offload_bench.offload_bytes("ours-cpu-hostall-wide-overlap", 10) == (80, 40)
-    assert offload_bench.offload_bytes("ours-cpu-hostall-huge-forward", 10) == (80, 40)  # the page size moves no byte
-    assert [offload_bench.host_copy_mode(offload_bench.base_cell(c)) for c in (
+    assert offload_cells.offload_bytes("ours-cpu-hostall-overlap", 10) == offload_cells.offload_bytes(
+        "fsdp2-offload-fused", 10) == offload_cells.offload_bytes("ours-cpu-hostall-lateup-overlap", 10) == (80, 40)
+    assert offload_cells.offload_bytes("ours-cpu-hostall-hostcopy-forward", 10) == (40, 40)  # bf16 up
+    assert offload_cells.offload_bytes("ours-cpu-hostall-devcopy-overlap", 10) == (60, 60)  # fp32 + bf16 up, bf16 down
+    assert offload_cells.offload_bytes("ours-cpu-hostall-wide-overlap", 10) == (80, 40)
+    assert offload_cells.offload_bytes("ours-cpu-hostall-huge-forward", 10) == (80, 40)  # the page size moves no byte
+    assert [offload_bench.host_copy_mode(offload_cells.base_cell(c)) for c in (
         "ours-cpu-hostall-overlap", "ours-cpu-hostall-hostcopy-forward", "ours-cpu-hostall-devcopy-overlap")] == [
         False, True, "device"]
-    assert [offload_bench.device_step_units(offload_bench.base_cell(c)) for c in (
+    assert [offload_bench.device_step_units(offload_cells.base_cell(c)) for c in (
         "ours-cpu-hostall-overlap", "ours-cpu-hostall-devcopy-overlap", "ours-cpu-hostall-dev12-overlap")] == [0, 0, 12]
-    assert "ours-cpu-hostall-dev8-overlap" in offload_bench.CELLS
+    assert "ours-cpu-hostall-dev8-overlap" in offload_cells.CELLS
     busy = [(0.0, 0.004), (0.004, 0.010), (0.012, 0.014)]  # seconds; the backward ended at 8 ms
     hidden, total = offload_bench.overlap_share(busy, 0.008)
     assert hidden == pytest.approx(8.0) and total == pytest.approx(12.0)
@@ -215,7 +215,7 @@ def test_medians_of_fresh_runs_are_put_against_fsdp2_with_its_fused_adamw() -> N
     assert "vs fsdp2-offload-fused" in lines[0]
     assert lines[3].startswith("| fsdp2-offload | 1.3b | 60 | 0.30x |")
     assert lines[4].startswith("| ours-gpu | 1.3b | 250 | 1.25x |")
-    assert offload_bench.DEFAULT_CELLS[0] == offload_bench.ANCHOR == "fsdp2-offload-fused"
+    assert offload_cells.DEFAULT_CELLS[0] == offload_bench.ANCHOR == "fsdp2-offload-fused"
 
 
 def test_a_failed_run_stands_for_its_cell_and_the_cell_leaves_the_race() -> None:
