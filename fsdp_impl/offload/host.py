@@ -89,7 +89,7 @@ class OffloadPolicy:
       Adam/AdamW) of 2 MiB and more get their own mappings advised for transparent huge pages
       (``device.host_zeros``; Linux with THP in ``madvise`` or ``always`` mode, else ordinary
       pages). The host step streams all of them every step. Same bytes, same numbers. Off by
-      default: its A/B on one H100 host was within the rounds' noise (``fsdp_impl/README.md``).
+      default: its A/B on three H100 hosts was within the rounds' noise (``fsdp_impl/README.md``).
     * ``chunk_bytes`` (64 MiB): device bytes of one chunk of the streamed step (all streamed
       tensors of the chunk together), an upper bound: a chunk never holds more than the step
       streams, and the window holds ``WINDOW_SLOTS`` chunks (fewer when the step has fewer). A
