@@ -447,18 +447,22 @@ def _init_host_state(optimizer: torch.optim.Optimizer, cls: type, group: dict[st
     fused, capturable = bool(group["fused"]), bool(group["capturable"])
     state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
                      if capturable or fused else torch.tensor(0.0, dtype=_get_scalar_dtype(), device=host_device()))
-    huge = unit.offload is not None and unit.offload.policy.huge_pages
+    huge = _huge_pages(unit)
     for key in STATE_KINDS if group["amsgrad"] else STATE_KINDS[:2]:
         state[key] = (host_zeros_like(p, unit, mp, pin=False) if huge
                       else torch.zeros_like(p, memory_format=torch.preserve_format))
+
+
+def _huge_pages(unit: FSDPUnit) -> bool:
+    """Whether the unit's offload policy asks for its host buffers in huge pages."""
+    return unit.offload is not None and unit.offload.policy.huge_pages
 
 
 def host_zeros_like(like: torch.Tensor, unit: FSDPUnit, mp: ManagedParam, pin: bool) -> torch.Tensor:
     """``zeros_like(like)`` (param ``mp``'s host tensor or moment, maybe a DTensor) from
     ``device.host_zeros``: page-locked with ``pin``, in huge pages as the unit's policy asks."""
     local = local_tensor(like)
-    huge = unit.offload is not None and unit.offload.policy.huge_pages
-    fresh = host_zeros(local.numel(), local.dtype, pin, huge).view(local.shape)
+    fresh = host_zeros(local.numel(), local.dtype, pin, _huge_pages(unit)).view(local.shape)
     return unit.ctx.plan.wrap(fresh, mp.tp, mp.shape) if isinstance(like, DTensor) else fresh
 
 
