@@ -160,3 +160,27 @@ def test_offload_host_buffers_follow_the_policys_huge_pages(huge_pages: bool, ad
         assert buf.data.data_ptr() % HUGE == 0 and advised == [(advised[0][0], 2 * HUGE)], advised
     else:
         assert advised == []
+
+
+@needs_madvise
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_host_moments_follow_the_units_huge_pages(huge_pages: bool, advised: list[tuple[int, int]]) -> None:
+    """``offload.optim.host_zeros_like`` (the overlapped host step's Adam moments, the device
+    step's pinned ones) reads the unit's policy: a 2 MiB + 12-byte moment starts on a huge page
+    and is advised over its one whole page, or (False) is an ordinary buffer, never advised;
+    either way zeros of ``like``'s shape and dtype, ``like`` itself untouched."""
+    from types import SimpleNamespace
+
+    from fsdp_impl.offload.host import OffloadPolicy
+    from fsdp_impl.offload.optim import host_zeros_like
+
+    unit = SimpleNamespace(offload=SimpleNamespace(policy=OffloadPolicy(step="cpu", pin_memory=False,
+                                                                        huge_pages=huge_pages)))
+    like = torch.ones(HUGE // 4 + 3)
+    moment = host_zeros_like(like, unit, None, pin=False)  # type: ignore[arg-type]
+    assert moment.shape == like.shape and moment.dtype == like.dtype and int(moment.count_nonzero()) == 0
+    assert int(like.count_nonzero()) == like.numel()
+    if huge_pages:
+        assert moment.data_ptr() % HUGE == 0 and advised == [(advised[0][0], HUGE)], advised
+    else:
+        assert advised == []
